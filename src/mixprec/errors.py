@@ -1,0 +1,50 @@
+"""One exception hierarchy for mixprec.
+
+Every error mixprec raises is a :class:`MixprecError` and also a builtin exception, so code written
+for ``torch.amp`` that catches ``ValueError`` or ``RuntimeError`` keeps working.
+"""
+
+from __future__ import annotations
+
+__all__ = [
+    "ConfigError",
+    "LowPrecisionGradError",
+    "MissingGradError",
+    "MixprecError",
+    "MixprecWarning",
+    "ScaleCollapseError",
+    "ScaleCollapseWarning",
+    "ScalerStateError",
+]
+
+
+class MixprecError(Exception):
+    """Base class of every error raised by mixprec."""
+
+
+class ConfigError(MixprecError, ValueError):
+    """A setting or argument has a value outside its allowed range or of the wrong type."""
+
+
+class ScalerStateError(MixprecError, RuntimeError):
+    """A scaler method was called in an order the iteration protocol does not allow."""
+
+
+class MissingGradError(ScalerStateError):
+    """An optimizer was stepped or an update was requested, but no gradient was checked."""
+
+
+class LowPrecisionGradError(MixprecError, ValueError):
+    """Trainable parameters hold fp16 gradients, which cannot be unscaled safely."""
+
+
+class ScaleCollapseError(MixprecError, RuntimeError):
+    """Too many consecutive iterations overflowed: training is no longer making progress."""
+
+
+class MixprecWarning(UserWarning):
+    """Base class of every warning emitted by mixprec."""
+
+
+class ScaleCollapseWarning(MixprecWarning):
+    """The loss scale fell below 1, or many consecutive steps were skipped."""
