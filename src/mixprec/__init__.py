@@ -18,6 +18,9 @@ from mixprec.errors import (
 )
 
 # --- scaler exports (owned by the scaler work) ---
+from mixprec.scaler.config import ScalerConfig
+from mixprec.scaler.grad_scaler import GradScaler
+from mixprec.scaler.phases import OptState
 
 # --- autocast exports (owned by the autocast work) ---
 
@@ -25,12 +28,15 @@ __version__ = "0.1.0"
 
 __all__ = [
     "ConfigError",
+    "GradScaler",
     "LowPrecisionGradError",
     "MissingGradError",
     "MixprecError",
     "MixprecWarning",
+    "OptState",
     "ScaleCollapseError",
     "ScaleCollapseWarning",
+    "ScalerConfig",
     "ScalerStateError",
     "__version__",
 ]

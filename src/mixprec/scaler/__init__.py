@@ -1,0 +1,3 @@
+"""Dynamic loss scaling: settings, the update rule, the iteration protocol and the GradScaler."""
+
+from __future__ import annotations

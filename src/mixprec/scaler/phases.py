@@ -1,0 +1,98 @@
+"""Per-optimizer phase of an iteration and its transitions.
+
+``READY --unscale_--> UNSCALED --step--> STEPPED`` and ``READY --step--> STEPPED``; ``update()``
+puts every optimizer back to READY. This module is the one place that raises misuse errors about
+the order of calls, each message saying what happened and what to do instead.
+"""
+
+from __future__ import annotations
+
+import enum
+from dataclasses import dataclass, field
+
+import torch
+
+from mixprec.errors import ScalerStateError
+from mixprec.kernels.plan import ParamRef
+
+__all__ = ["OptState", "OptimizerRecord", "PhaseTable"]
+
+
+class OptState(enum.Enum):
+    """Where one optimizer stands in the current iteration (same names as torch's)."""
+
+    READY = 0
+    UNSCALED = 1
+    STEPPED = 2
+
+
+@dataclass
+class OptimizerRecord:
+    """What the scaler knows about one optimizer in the current iteration.
+
+    Attributes:
+        stage: the optimizer's phase.
+        found_inf_per_device: one 0-d float32 tensor per grad device; non-zero means overflow.
+        skipped: whether the last step was skipped, once known on the host (None until then).
+        missing: parameters without a grad when the grads were last checked (for messages).
+    """
+
+    stage: OptState = OptState.READY
+    found_inf_per_device: dict[torch.device, torch.Tensor] = field(default_factory=dict)
+    skipped: bool | None = None
+    missing: list[ParamRef] = field(default_factory=list)
+
+
+class PhaseTable:
+    """The records of every optimizer touched since the last ``update()``, keyed by ``id``."""
+
+    def __init__(self) -> None:
+        self._records: dict[int, OptimizerRecord] = {}
+
+    def __len__(self) -> int:
+        return len(self._records)
+
+    def get(self, optimizer: object) -> OptimizerRecord:
+        """The optimizer's record, created READY on first use."""
+        return self._records.setdefault(id(optimizer), OptimizerRecord())
+
+    def peek(self, optimizer: object) -> OptimizerRecord | None:
+        """The optimizer's record if it was touched this iteration, else None."""
+        return self._records.get(id(optimizer))
+
+    def records(self) -> list[OptimizerRecord]:
+        """All records of this iteration, in the order the optimizers were first touched."""
+        return list(self._records.values())
+
+    def clear(self) -> None:
+        """Every optimizer back to READY (the end of an iteration)."""
+        self._records.clear()
+
+    def check_can_unscale(self, optimizer: object) -> OptimizerRecord:
+        """The record, after checking that ``unscale_`` is allowed now."""
+        record = self.get(optimizer)
+        if record.stage is OptState.UNSCALED:
+            raise ScalerStateError(
+                "unscale_() has already been called on this optimizer since the last update(). "
+                "Unscale each optimizer at most once per iteration, after all its gradients "
+                "have been accumulated; with gradient accumulation call unscale_() only on the "
+                "iteration that steps."
+            )
+        if record.stage is OptState.STEPPED:
+            raise ScalerStateError(
+                "unscale_() is being called after step() for this optimizer. step() already "
+                "unscaled its gradients; call unscale_() before step(), or call update() first "
+                "to start a new iteration."
+            )
+        return record
+
+    def check_can_step(self, optimizer: object) -> OptimizerRecord:
+        """The record, after checking that ``step`` is allowed now."""
+        record = self.get(optimizer)
+        if record.stage is OptState.STEPPED:
+            raise ScalerStateError(
+                "step() has already been called on this optimizer since the last update(). "
+                "Call scaler.update() once at the end of every iteration, after stepping every "
+                "optimizer."
+            )
+        return record
