@@ -19,8 +19,10 @@ from mixprec.errors import (
 
 # --- scaler exports (owned by the scaler work) ---
 from mixprec.scaler.config import ScalerConfig
+from mixprec.scaler.diagnostics import Diagnosis
 from mixprec.scaler.grad_scaler import GradScaler
 from mixprec.scaler.phases import OptState
+from mixprec.scaler.telemetry import HistoryEntry, ScalerStats, UpdateEvent
 
 # --- autocast exports (owned by the autocast work) ---
 
@@ -28,7 +30,9 @@ __version__ = "0.1.0"
 
 __all__ = [
     "ConfigError",
+    "Diagnosis",
     "GradScaler",
+    "HistoryEntry",
     "LowPrecisionGradError",
     "MissingGradError",
     "MixprecError",
@@ -37,6 +41,8 @@ __all__ = [
     "ScaleCollapseError",
     "ScaleCollapseWarning",
     "ScalerConfig",
+    "ScalerStats",
     "ScalerStateError",
+    "UpdateEvent",
     "__version__",
 ]

@@ -25,6 +25,7 @@ def _torch_form(
     max_scale: float | None = None,
     hysteresis: int = 1,
     max_consecutive_skips: int | None = None,
+    history: int = 0,
 ) -> None:
     """Signature only."""
 
@@ -41,6 +42,7 @@ def _seed_form(
     max_scale: float | None = None,
     hysteresis: int = 1,
     max_consecutive_skips: int | None = None,
+    history: int = 0,
 ) -> None:
     """Signature only."""
 

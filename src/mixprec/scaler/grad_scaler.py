@@ -9,23 +9,48 @@ from __future__ import annotations
 
 import inspect
 import warnings
-from collections.abc import Iterable, Mapping
+import weakref
+from collections.abc import Callable, Iterable, Mapping
 from typing import Any
 
 import torch
+from torch.utils.hooks import RemovableHandle
 
-from mixprec.errors import ConfigError, LowPrecisionGradError, MissingGradError, ScalerStateError
+from mixprec.errors import (
+    ConfigError,
+    LowPrecisionGradError,
+    MissingGradError,
+    ScaleCollapseError,
+    ScaleCollapseWarning,
+    ScalerStateError,
+)
 from mixprec.kernels.plan import GradPlan, plan_grads
 from mixprec.kernels.unscale import check_finite_, unscale_grads_
 from mixprec.scaler import diagnostics
 from mixprec.scaler.args import SIGNATURE, bind_constructor_args, parse_device
-from mixprec.scaler.config import FP32_MAX, ScalerConfig
+from mixprec.scaler.checks import has_uninitialised_state, validated_new_scale
+from mixprec.scaler.config import ScalerConfig
 from mixprec.scaler.phases import OptimizerRecord, OptState, PhaseTable
 from mixprec.scaler.rule import ScaleState, to_f32, update_scale_
 from mixprec.scaler.state import LoadedState, export_state, parse_state_dict
-from mixprec.scaler.telemetry import HostMirror
+from mixprec.scaler.telemetry import (
+    History,
+    HistoryEntry,
+    HostMirror,
+    ScalerStats,
+    UpdateEvent,
+    read_stats,
+)
 
 __all__ = ["GradScaler"]
+
+#: Consecutive skipped iterations after which a warning is emitted (once).
+_SKIP_WARNING = 50
+
+
+def _warn(message: str) -> None:
+    warnings.warn(message, ScaleCollapseWarning, stacklevel=4)
+
 
 _Optimizer = torch.optim.Optimizer
 
@@ -75,6 +100,9 @@ class GradScaler:
         if not isinstance(enabled, bool):
             raise ConfigError(f"enabled must be a bool, got {enabled!r}.")
         device = parse_device(bound.pop("device"))
+        history = bound.pop("history")
+        if isinstance(history, bool) or not isinstance(history, int) or history < 0:
+            raise ConfigError(f"history must be an int >= 0 (entries kept), got {history!r}.")
         self._config = ScalerConfig(**bound)
         self._enabled = enabled
         self._device = device.type if device is not None else None
@@ -84,6 +112,12 @@ class GradScaler:
         self._mirror = HostMirror(self._config.init_scale, 0, 0)
         self._per_device_cache: dict[torch.device, torch.Tensor] = {}
         self._inv_scale: torch.Tensor | None = None
+        self._history = History(history)
+        self._hooks: dict[int, Callable[[GradScaler, UpdateEvent], None]] = {}
+        self._iteration = 0
+        self._step_skips: dict[int, torch.Tensor] = {}
+        self._last_iteration_skip: torch.Tensor | None = None
+        self._warned: set[str] = set()
 
     # ------------------------------------------------------------------ scale
 
@@ -189,6 +223,7 @@ class GradScaler:
         )
         record.stage = OptState.UNSCALED
         record.missing = plan.missing
+        record.optimizer = weakref.ref(optimizer)
         return plan
 
     def _get_inv_scale(self) -> torch.Tensor:
@@ -235,6 +270,7 @@ class GradScaler:
         if record.stage is OptState.READY:
             self._unscale_into(optimizer, record)
         found_inf = self._sum_found_inf(record, optimizer)
+        self._note_step(optimizer, found_inf)
         record.skipped = bool(found_inf.item() != 0)
         result = None if record.skipped else optimizer.step(*args, **kwargs)
         record.stage = OptState.STEPPED
@@ -264,6 +300,7 @@ class GradScaler:
         if record.stage is OptState.READY and self._mirror.scale_may_be_below_one:
             self._unscale_into(optimizer, record)  # the kernel's own division could overflow
         if record.stage is OptState.READY:
+            record.optimizer = weakref.ref(optimizer)
             plan = plan_grads(optimizer)
             check_finite_(plan, record.found_inf_per_device)
             record.missing = plan.missing
@@ -274,7 +311,8 @@ class GradScaler:
         else:
             grad_scale = scale * getattr(optimizer, "grad_scale", 1)
         record.stage = OptState.STEPPED
-        if _has_uninitialised_state(optimizer):
+        self._note_step(optimizer, found_inf)
+        if has_uninitialised_state(optimizer):
             record.skipped = bool(found_inf.item() != 0)
             if record.skipped:
                 return None
@@ -303,7 +341,13 @@ class GradScaler:
         kwargs = {**kwargs, "grad_scaler": self}
         result = optimizer.step(*args, **kwargs)
         record.stage = OptState.STEPPED
+        if record.found_inf_per_device:
+            self._note_step(optimizer, self._sum_found_inf(record, optimizer))
         return result
+
+    def _note_step(self, optimizer: _Optimizer, found_inf: torch.Tensor) -> None:
+        self._phases.get(optimizer).optimizer = weakref.ref(optimizer)
+        self._step_skips[id(optimizer)] = found_inf != 0
 
     # ------------------------------------------------------------------ update
 
@@ -329,11 +373,13 @@ class GradScaler:
             self._check_update_optimizer(new_scale)
             new_scale = None
         state = self._require_state("update")
-        if new_scale is not None:
-            self._set_scale(state, new_scale)
-        else:
-            self._apply_rule(state)
-        self._end_iteration()
+        try:
+            if new_scale is not None:
+                self._set_scale(state, new_scale)
+            else:
+                self._apply_rule(state)
+        finally:
+            self._end_iteration()
 
     def _check_update_optimizer(self, optimizer: Any) -> None:
         record = self._phases.peek(optimizer)
@@ -345,7 +391,7 @@ class GradScaler:
             )
 
     def _set_scale(self, state: ScaleState, new_scale: float | torch.Tensor) -> None:
-        value = _validated_new_scale(new_scale, state.scale.device, self._config)
+        value = validated_new_scale(new_scale, state.scale.device, self._config)
         if isinstance(value, torch.Tensor):
             state.scale.copy_(value)
             self._mirror.set_scale(None if value.device.type != "cpu" else value.item())
@@ -368,15 +414,150 @@ class GradScaler:
         total = found[0].to(state.scale.device, non_blocking=True)
         for other in found[1:]:
             total = total + other.to(state.scale.device, non_blocking=True)
-        update_scale_(state, total, self._config)
+        used_scale = update_scale_(state, total, self._config)
         skipped = [r.skipped for r in records]
         overflow = None if None in skipped else any(skipped)
         self._mirror.advance(state, overflow, self._config)
+        self._iteration += 1
+        event = UpdateEvent(self._iteration, state.scale, total, total != 0)
+        self._last_iteration_skip = event.skipped
+        self._history.record(self._iteration, used_scale, event.skipped)
+        for hook in list(self._hooks.values()):
+            hook(self, event)
+        self._watch(state, records)
+
+    def _watch(self, state: ScaleState, records: list[OptimizerRecord]) -> None:
+        """Warn once when the scale drops below 1 or 50 iterations in a row were skipped;
+        raise on ``max_consecutive_skips``. Uses the host mirror, so it syncs only when the
+        mirror is unknown and ``max_consecutive_skips`` is set."""
+        limit = self._config.max_consecutive_skips
+        exact = self._mirror.exact
+        if exact is None and limit is not None:
+            exact = self._mirror.resync(state)
+        if exact is None:
+            return
+        streak = exact.overflow_streak
+        if limit is not None and streak >= limit:
+            raise ScaleCollapseError(
+                self._collapse_text(
+                    f"{streak} consecutive iterations overflowed", exact.scale, records
+                )
+            )
+        if exact.scale < 1.0 and "below_one" not in self._warned:
+            self._warned.add("below_one")
+            what = "The loss scale fell below 1: gradients are being scaled down, not up"
+            _warn(self._collapse_text(what, exact.scale, records))
+        if streak >= _SKIP_WARNING and "streak" not in self._warned:
+            self._warned.add("streak")
+            what = f"{streak} consecutive iterations were skipped"
+            _warn(self._collapse_text(what, exact.scale, records))
+
+    def _collapse_text(self, what: str, scale: float, records: list[OptimizerRecord]) -> str:
+        optimizers = [r.optimizer() for r in records if r.optimizer is not None]
+        alive = [o for o in optimizers if o is not None]
+        diagnosis = diagnostics.diagnose_optimizers(alive) if alive else None
+        streak = self._mirror.exact.overflow_streak if self._mirror.exact else 0
+        return diagnostics.collapse_message(what, scale, streak, diagnosis)
 
     def _end_iteration(self) -> None:
         self._phases.clear()
         self._per_device_cache.clear()
         self._inv_scale = None
+
+    # ------------------------------------------------------------------ telemetry
+
+    def last_step_skipped(self, optimizer: _Optimizer | None = None) -> bool:
+        """Whether the last ``step`` of ``optimizer`` was skipped (any optimizer of the
+        current or, after ``update()``, the last iteration when ``optimizer`` is None).
+
+        Correct for fused optimizers too, whose ``step`` is always called. Use it to advance
+        LR schedulers, EMAs and step counters only on real updates. ``False`` when disabled.
+
+        Raises:
+            ScalerStateError: that optimizer (or any) has not been stepped yet.
+
+        Host sync: one (use :meth:`last_step_skipped_async` to avoid it).
+        """
+        return bool(self.last_step_skipped_async(optimizer).item())
+
+    def last_step_skipped_async(self, optimizer: _Optimizer | None = None) -> torch.Tensor:
+        """:meth:`last_step_skipped` as a 0-d bool tensor on the scale's device.
+
+        Host sync: none.
+        """
+        if not self._enabled:
+            return torch.zeros((), dtype=torch.bool)
+        if optimizer is not None:
+            flag = self._step_skips.get(id(optimizer))
+        else:
+            current = [self._step_skips[id(o)] for o in self._stepped_this_iteration()]
+            flag = torch.stack(current).any() if current else self._last_iteration_skip
+        if flag is None:
+            raise ScalerStateError(
+                "last_step_skipped() was called before any scaler.step() of "
+                + ("this optimizer." if optimizer is not None else "any optimizer.")
+            )
+        return flag
+
+    def _stepped_this_iteration(self) -> list[_Optimizer]:
+        refs = [r.optimizer for r in self._phases.records() if r.optimizer is not None]
+        return [o for o in (ref() for ref in refs) if o is not None]
+
+    def stats(self) -> ScalerStats:
+        """Counters since creation (or since the loaded state dict) and the current scale.
+
+        Host sync: one, when the scale lives on an accelerator (the counters stay on the
+        device until read).
+        """
+        if not self._enabled or self._state is None:
+            p = self._pending
+            it, skipped = p.counters[0], p.counters[1]
+            scale = p.scale if self._enabled else 1.0
+            return ScalerStats(
+                iterations=it,
+                steps_taken=it - skipped,
+                steps_skipped=skipped,
+                consecutive_skips=p.overflow_streak,
+                growths=p.counters[2],
+                backoffs=p.counters[3],
+                scale=scale,
+            )
+        return read_stats(self._state)
+
+    def history(self) -> list[HistoryEntry]:
+        """The last ``history`` iterations (constructor argument), oldest first.
+
+        Host sync: one.
+        """
+        return self._history.entries()
+
+    def register_update_hook(
+        self, hook: Callable[[GradScaler, UpdateEvent], None]
+    ) -> RemovableHandle:
+        """Call ``hook(scaler, event)`` after every rule update (not after ``update(new_scale)``).
+
+        The event holds device tensors; the hook decides whether to read them.
+
+        Returns:
+            A handle whose ``remove()`` unregisters the hook.
+
+        Host sync: none (unless the hook reads the tensors).
+        """
+        if not callable(hook):
+            raise ConfigError(f"hook must be callable, got {type(hook).__name__}.")
+        handle = RemovableHandle(self._hooks)
+        self._hooks[handle.id] = hook
+        return handle
+
+    def diagnose(self, optimizer: _Optimizer | None = None) -> diagnostics.Diagnosis:
+        """Parameters of ``optimizer`` (default: those stepped or unscaled this iteration)
+        whose grads are inf/NaN or missing, by name when the optimizer knows names.
+
+        Host sync: one.
+        """
+        if optimizer is not None:
+            return diagnostics.diagnose_optimizers([optimizer])
+        return diagnostics.diagnose_optimizers(self._stepped_this_iteration())
 
     # ------------------------------------------------------------------ getters / setters
 
@@ -488,6 +669,7 @@ class GradScaler:
         self._config = loaded.config
         self._pending = loaded
         self._mirror = HostMirror(loaded.scale, loaded.growth_tracker, loaded.overflow_streak)
+        self._iteration = loaded.counters[0]
         if self._state is not None:
             self._state.scale.fill_(loaded.scale)
             self._state.growth_tracker.fill_(loaded.growth_tracker)
@@ -505,47 +687,9 @@ class GradScaler:
         values = self._current_values() if self._enabled else self._pending
         state = dict(self.__dict__)
         state.update(_state=None, _pending=values, _per_device_cache={}, _inv_scale=None)
+        # Hooks may be lambdas and the skip flags are keyed by object ids of this process.
+        state.update(_hooks={}, _step_skips={}, _last_iteration_skip=None)
         return state
 
     def __setstate__(self, state: dict[str, Any]) -> None:
         self.__dict__.update(state)
-
-
-def _has_uninitialised_state(optimizer: _Optimizer) -> bool:
-    """True when some parameter with a grad has no optimizer state yet (its first step)."""
-    for group in optimizer.param_groups:
-        for param in group["params"]:
-            if param.grad is not None and not optimizer.state.get(param):
-                return True
-    return False
-
-
-def _validated_new_scale(
-    value: Any, device: torch.device, config: ScalerConfig
-) -> float | torch.Tensor:
-    if isinstance(value, torch.Tensor):
-        if value.numel() != 1 or value.requires_grad:
-            raise ConfigError(
-                "new_scale must be a float or a 1-element tensor with requires_grad=False, got a "
-                f"tensor of shape {tuple(value.shape)} (requires_grad={value.requires_grad})."
-            )
-        if value.device.type != device.type:
-            raise ConfigError(
-                f"new_scale is on {value.device} but the scale lives on {device}; pass "
-                f"new_scale.to('{device}') or a float."
-            )
-        if value.is_cpu:
-            _validated_new_scale(float(value.item()), device, config)
-        return value.reshape(())
-    if isinstance(value, bool) or not isinstance(value, (int, float)):
-        raise ConfigError(
-            f"new_scale must be a float, an int, a 1-element tensor or the optimizer, got "
-            f"{type(value).__name__}."
-        )
-    low, high = config.floor, config.max_scale or FP32_MAX
-    if not low <= float(value) <= high:
-        raise ConfigError(
-            f"new_scale must be finite and within [{low:g}, {high:g}] (the scaler's bounds), "
-            f"got {value}."
-        )
-    return float(value)

@@ -8,6 +8,7 @@ the order of calls, each message saying what happened and what to do instead.
 from __future__ import annotations
 
 import enum
+import weakref
 from dataclasses import dataclass, field
 
 import torch
@@ -35,12 +36,14 @@ class OptimizerRecord:
         found_inf_per_device: one 0-d float32 tensor per grad device; non-zero means overflow.
         skipped: whether the last step was skipped, once known on the host (None until then).
         missing: parameters without a grad when the grads were last checked (for messages).
+        optimizer: a weak reference to the optimizer, for diagnostics.
     """
 
     stage: OptState = OptState.READY
     found_inf_per_device: dict[torch.device, torch.Tensor] = field(default_factory=dict)
     skipped: bool | None = None
     missing: list[ParamRef] = field(default_factory=list)
+    optimizer: weakref.ref[torch.optim.Optimizer] | None = None
 
 
 class PhaseTable:

@@ -59,8 +59,8 @@ class ScaleState:
         )
 
 
-def update_scale_(state: ScaleState, found_inf: torch.Tensor, config: ScalerConfig) -> None:
-    """Advance ``state`` by one iteration in place.
+def update_scale_(state: ScaleState, found_inf: torch.Tensor, config: ScalerConfig) -> torch.Tensor:
+    """Advance ``state`` by one iteration in place; return the scale it had before (a copy).
 
     Args:
         state: the tensors to update (all on one device).
@@ -88,6 +88,7 @@ def update_scale_(state: ScaleState, found_inf: torch.Tensor, config: ScalerConf
     grew = state.scale > old_scale
     backed_off = state.scale < old_scale
     state.counters.add_(torch.stack([torch.ones_like(overflow), overflow, grew, backed_off]))
+    return old_scale
 
 
 def _general_update_(state: ScaleState, overflow: torch.Tensor, config: ScalerConfig) -> None:

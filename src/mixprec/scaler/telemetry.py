@@ -18,7 +18,14 @@ import torch
 from mixprec.scaler.config import ScalerConfig
 from mixprec.scaler.rule import HostScale, ScaleState
 
-__all__ = ["HostMirror", "ScalerStats"]
+__all__ = [
+    "History",
+    "HistoryEntry",
+    "HostMirror",
+    "ScalerStats",
+    "UpdateEvent",
+    "read_stats",
+]
 
 # Backoff products are rounded to float32; shrinking the bound a little more keeps it a bound.
 _ROUNDING_MARGIN = 1.0 - 2.0**-20
@@ -90,3 +97,99 @@ class HostMirror:
     def scale_may_be_below_one(self) -> bool:
         """True unless the host can prove ``scale >= 1`` (then ``1/scale`` cannot overflow)."""
         return not self.lower_bound >= 1.0 or math.isnan(self.lower_bound)
+
+
+@dataclass(frozen=True)
+class HistoryEntry:
+    """One iteration of the scale history.
+
+    Attributes:
+        iteration: 1-based number of the update that ended the iteration.
+        scale: the scale used during that iteration (the one its gradients were scaled by).
+        skipped: whether the iteration's optimizer steps were skipped.
+    """
+
+    iteration: int
+    scale: float
+    skipped: bool
+
+
+@dataclass(frozen=True)
+class UpdateEvent:
+    """What an update hook receives: device tensors, nothing read back to the host.
+
+    Attributes:
+        iteration: 1-based number of this update.
+        scale: the scale after the update (0-d float32, the scaler's own tensor: do not modify).
+        found_inf: the iteration's combined overflow flag (0-d float32, non-zero = overflow).
+        skipped: ``found_inf != 0`` (0-d bool).
+    """
+
+    iteration: int
+    scale: torch.Tensor
+    found_inf: torch.Tensor
+    skipped: torch.Tensor
+
+
+class History:
+    """A bounded ring of (scale, skipped) kept on the device until read."""
+
+    def __init__(self, capacity: int) -> None:
+        self.capacity = capacity
+        self._scales: torch.Tensor | None = None
+        self._skips: torch.Tensor | None = None
+        self._count = 0
+        self._first_iteration = 1
+
+    def record(self, iteration: int, scale: torch.Tensor, overflow: torch.Tensor) -> None:
+        """Append one iteration (two tiny device copies). Host sync: none."""
+        if self.capacity == 0:
+            return
+        if self._scales is None or self._skips is None:
+            self._scales = torch.zeros(self.capacity, dtype=torch.float32, device=scale.device)
+            self._skips = torch.zeros(self.capacity, dtype=torch.bool, device=scale.device)
+            self._first_iteration = iteration
+        slot = self._count % self.capacity
+        self._scales[slot].copy_(scale)
+        self._skips[slot].copy_(overflow)
+        self._count += 1
+
+    def entries(self) -> list[HistoryEntry]:
+        """Oldest first. Host sync: one."""
+        if self._scales is None or self._skips is None or self._count == 0:
+            return []
+        n = min(self._count, self.capacity)
+        start = self._count - n
+        order = [(start + k) % self.capacity for k in range(n)]
+        scales = self._scales[order].tolist()
+        skips = self._skips[order].tolist()
+        first = self._first_iteration + start
+        return [HistoryEntry(first + k, scales[k], skips[k]) for k in range(n)]
+
+    def __getstate__(self) -> dict[str, object]:
+        state = dict(self.__dict__)
+        for key in ("_scales", "_skips"):
+            tensor = state[key]
+            state[key] = tensor.cpu() if isinstance(tensor, torch.Tensor) else None
+        return state
+
+
+def read_stats(state: ScaleState) -> ScalerStats:
+    """All counters and the scale in one read. Host sync: one off the CPU."""
+    values = torch.cat(
+        [
+            state.counters.double(),
+            state.overflow_streak.double().reshape(1),
+            state.scale.double().reshape(1),
+        ]
+    ).tolist()
+    iterations, skipped, growths, backoffs, streak, scale = values
+    return ScalerStats(
+        iterations=int(iterations),
+        steps_taken=int(iterations - skipped),
+        steps_skipped=int(skipped),
+        consecutive_skips=int(streak),
+        growths=int(growths),
+        backoffs=int(backoffs),
+        scale=scale,
+    )
