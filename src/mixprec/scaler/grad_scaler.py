@@ -10,52 +10,35 @@ from __future__ import annotations
 import inspect
 import warnings
 import weakref
-from collections.abc import Callable, Iterable, Mapping
+from collections.abc import Iterable, Mapping
 from typing import Any
 
 import torch
-from torch.utils.hooks import RemovableHandle
 
 from mixprec.errors import (
     ConfigError,
     LowPrecisionGradError,
     MissingGradError,
-    ScaleCollapseError,
-    ScaleCollapseWarning,
     ScalerStateError,
 )
 from mixprec.kernels.plan import GradPlan, plan_grads
 from mixprec.kernels.unscale import check_finite_, unscale_grads_
 from mixprec.scaler import diagnostics
-from mixprec.scaler.args import SIGNATURE, bind_constructor_args, parse_device
+from mixprec.scaler.args import SIGNATURE
 from mixprec.scaler.checks import has_uninitialised_state, validated_new_scale
-from mixprec.scaler.config import ScalerConfig
-from mixprec.scaler.phases import OptimizerRecord, OptState, PhaseTable
+from mixprec.scaler.phases import OptimizerRecord, OptState
 from mixprec.scaler.rule import ScaleState, to_f32, update_scale_
-from mixprec.scaler.state import LoadedState, export_state, parse_state_dict
+from mixprec.scaler.signals import ScalerSignals
 from mixprec.scaler.telemetry import (
-    History,
-    HistoryEntry,
-    HostMirror,
-    ScalerStats,
     UpdateEvent,
-    read_stats,
 )
 
 __all__ = ["GradScaler"]
 
-#: Consecutive skipped iterations after which a warning is emitted (once).
-_SKIP_WARNING = 50
-
-
-def _warn(message: str) -> None:
-    warnings.warn(message, ScaleCollapseWarning, stacklevel=4)
-
-
 _Optimizer = torch.optim.Optimizer
 
 
-class GradScaler:
+class GradScaler(ScalerSignals):
     """Dynamic loss scaling, a drop-in for ``torch.amp.GradScaler`` on every device.
 
     Both call forms work: torch 2's ``GradScaler("cuda", init_scale, growth_factor,
@@ -93,31 +76,6 @@ class GradScaler:
     """
 
     __signature__ = SIGNATURE
-
-    def __init__(self, *args: Any, **kwargs: Any) -> None:
-        bound = bind_constructor_args(args, kwargs)
-        enabled = bound.pop("enabled")
-        if not isinstance(enabled, bool):
-            raise ConfigError(f"enabled must be a bool, got {enabled!r}.")
-        device = parse_device(bound.pop("device"))
-        history = bound.pop("history")
-        if isinstance(history, bool) or not isinstance(history, int) or history < 0:
-            raise ConfigError(f"history must be an int >= 0 (entries kept), got {history!r}.")
-        self._config = ScalerConfig(**bound)
-        self._enabled = enabled
-        self._device = device.type if device is not None else None
-        self._state: ScaleState | None = None
-        self._pending = LoadedState(self._config, self._config.init_scale, 0, 0, [0, 0, 0, 0])
-        self._phases = PhaseTable()
-        self._mirror = HostMirror(self._config.init_scale, 0, 0)
-        self._per_device_cache: dict[torch.device, torch.Tensor] = {}
-        self._inv_scale: torch.Tensor | None = None
-        self._history = History(history)
-        self._hooks: dict[int, Callable[[GradScaler, UpdateEvent], None]] = {}
-        self._iteration = 0
-        self._step_skips: dict[int, torch.Tensor] = {}
-        self._last_iteration_skip: torch.Tensor | None = None
-        self._warned: set[str] = set()
 
     # ------------------------------------------------------------------ scale
 
@@ -163,31 +121,6 @@ class GradScaler:
             cached = state.scale.to(device, non_blocking=True)
             self._per_device_cache[device] = cached
         return cached
-
-    def _lazy_init(self, device: torch.device) -> ScaleState:
-        if self._state is None:
-            pending = self._pending
-            self._state = ScaleState.create(
-                pending.scale,
-                pending.growth_tracker,
-                pending.overflow_streak,
-                device,
-                pending.counters,
-            )
-            self._device = device.type
-        return self._state
-
-    def _lazy_init_scale_growth_tracker(self, dev: torch.device | str) -> None:
-        """Create the scale tensors on ``dev`` now (torch's private hook, used by accelerate).
-
-        Host sync: none.
-        """
-        self._lazy_init(torch.device(dev))
-
-    def _require_state(self, method: str) -> ScaleState:
-        if self._state is None:
-            raise ScalerStateError(diagnostics.no_scale_message(method))
-        return self._state
 
     # ------------------------------------------------------------------ unscale
 
@@ -425,271 +358,3 @@ class GradScaler:
         for hook in list(self._hooks.values()):
             hook(self, event)
         self._watch(state, records)
-
-    def _watch(self, state: ScaleState, records: list[OptimizerRecord]) -> None:
-        """Warn once when the scale drops below 1 or 50 iterations in a row were skipped;
-        raise on ``max_consecutive_skips``. Uses the host mirror, so it syncs only when the
-        mirror is unknown and ``max_consecutive_skips`` is set."""
-        limit = self._config.max_consecutive_skips
-        exact = self._mirror.exact
-        if exact is None and limit is not None:
-            exact = self._mirror.resync(state)
-        if exact is None:
-            return
-        streak = exact.overflow_streak
-        if limit is not None and streak >= limit:
-            raise ScaleCollapseError(
-                self._collapse_text(
-                    f"{streak} consecutive iterations overflowed", exact.scale, records
-                )
-            )
-        if exact.scale < 1.0 and "below_one" not in self._warned:
-            self._warned.add("below_one")
-            what = "The loss scale fell below 1: gradients are being scaled down, not up"
-            _warn(self._collapse_text(what, exact.scale, records))
-        if streak >= _SKIP_WARNING and "streak" not in self._warned:
-            self._warned.add("streak")
-            what = f"{streak} consecutive iterations were skipped"
-            _warn(self._collapse_text(what, exact.scale, records))
-
-    def _collapse_text(self, what: str, scale: float, records: list[OptimizerRecord]) -> str:
-        optimizers = [r.optimizer() for r in records if r.optimizer is not None]
-        alive = [o for o in optimizers if o is not None]
-        diagnosis = diagnostics.diagnose_optimizers(alive) if alive else None
-        streak = self._mirror.exact.overflow_streak if self._mirror.exact else 0
-        return diagnostics.collapse_message(what, scale, streak, diagnosis)
-
-    def _end_iteration(self) -> None:
-        self._phases.clear()
-        self._per_device_cache.clear()
-        self._inv_scale = None
-
-    # ------------------------------------------------------------------ telemetry
-
-    def last_step_skipped(self, optimizer: _Optimizer | None = None) -> bool:
-        """Whether the last ``step`` of ``optimizer`` was skipped (any optimizer of the
-        current or, after ``update()``, the last iteration when ``optimizer`` is None).
-
-        Correct for fused optimizers too, whose ``step`` is always called. Use it to advance
-        LR schedulers, EMAs and step counters only on real updates. ``False`` when disabled.
-
-        Raises:
-            ScalerStateError: that optimizer (or any) has not been stepped yet.
-
-        Host sync: one (use :meth:`last_step_skipped_async` to avoid it).
-        """
-        return bool(self.last_step_skipped_async(optimizer).item())
-
-    def last_step_skipped_async(self, optimizer: _Optimizer | None = None) -> torch.Tensor:
-        """:meth:`last_step_skipped` as a 0-d bool tensor on the scale's device.
-
-        Host sync: none.
-        """
-        if not self._enabled:
-            return torch.zeros((), dtype=torch.bool)
-        if optimizer is not None:
-            flag = self._step_skips.get(id(optimizer))
-        else:
-            current = [self._step_skips[id(o)] for o in self._stepped_this_iteration()]
-            flag = torch.stack(current).any() if current else self._last_iteration_skip
-        if flag is None:
-            raise ScalerStateError(
-                "last_step_skipped() was called before any scaler.step() of "
-                + ("this optimizer." if optimizer is not None else "any optimizer.")
-            )
-        return flag
-
-    def _stepped_this_iteration(self) -> list[_Optimizer]:
-        refs = [r.optimizer for r in self._phases.records() if r.optimizer is not None]
-        return [o for o in (ref() for ref in refs) if o is not None]
-
-    def stats(self) -> ScalerStats:
-        """Counters since creation (or since the loaded state dict) and the current scale.
-
-        Host sync: one, when the scale lives on an accelerator (the counters stay on the
-        device until read).
-        """
-        if not self._enabled or self._state is None:
-            p = self._pending
-            it, skipped = p.counters[0], p.counters[1]
-            scale = p.scale if self._enabled else 1.0
-            return ScalerStats(
-                iterations=it,
-                steps_taken=it - skipped,
-                steps_skipped=skipped,
-                consecutive_skips=p.overflow_streak,
-                growths=p.counters[2],
-                backoffs=p.counters[3],
-                scale=scale,
-            )
-        return read_stats(self._state)
-
-    def history(self) -> list[HistoryEntry]:
-        """The last ``history`` iterations (constructor argument), oldest first.
-
-        Host sync: one.
-        """
-        return self._history.entries()
-
-    def register_update_hook(
-        self, hook: Callable[[GradScaler, UpdateEvent], None]
-    ) -> RemovableHandle:
-        """Call ``hook(scaler, event)`` after every rule update (not after ``update(new_scale)``).
-
-        The event holds device tensors; the hook decides whether to read them.
-
-        Returns:
-            A handle whose ``remove()`` unregisters the hook.
-
-        Host sync: none (unless the hook reads the tensors).
-        """
-        if not callable(hook):
-            raise ConfigError(f"hook must be callable, got {type(hook).__name__}.")
-        handle = RemovableHandle(self._hooks)
-        self._hooks[handle.id] = hook
-        return handle
-
-    def diagnose(self, optimizer: _Optimizer | None = None) -> diagnostics.Diagnosis:
-        """Parameters of ``optimizer`` (default: those stepped or unscaled this iteration)
-        whose grads are inf/NaN or missing, by name when the optimizer knows names.
-
-        Host sync: one.
-        """
-        if optimizer is not None:
-            return diagnostics.diagnose_optimizers([optimizer])
-        return diagnostics.diagnose_optimizers(self._stepped_this_iteration())
-
-    # ------------------------------------------------------------------ getters / setters
-
-    def get_scale(self) -> float:
-        """The current scale as a Python float (1.0 when disabled).
-
-        Host sync: one, when the scale lives on an accelerator.
-        """
-        if not self._enabled:
-            return 1.0
-        if self._state is None:
-            return self._pending.scale
-        return self._mirror.resync(self._state).scale
-
-    def _get_scale_async(self) -> torch.Tensor | None:
-        """The scale tensor, or None before the first ``scale()``. Host sync: none."""
-        return None if self._state is None else self._state.scale
-
-    def _get_growth_tracker(self) -> int:
-        """Clean iterations since the last growth or overflow. Host sync: one off the CPU."""
-        if not self._enabled:
-            return 0
-        if self._state is None:
-            return self._pending.growth_tracker
-        return self._mirror.resync(self._state).growth_tracker
-
-    @property
-    def _scale(self) -> torch.Tensor | None:
-        return self._get_scale_async()
-
-    @property
-    def _growth_tracker(self) -> torch.Tensor | None:
-        return None if self._state is None else self._state.growth_tracker
-
-    def get_growth_factor(self) -> float:
-        """The growth factor. Host sync: none."""
-        return self._config.growth_factor
-
-    def set_growth_factor(self, new_factor: float) -> None:
-        """Set the growth factor (> 1). Raises ConfigError otherwise. Host sync: none."""
-        self._config = self._config.with_(growth_factor=new_factor)
-
-    def get_backoff_factor(self) -> float:
-        """The backoff factor. Host sync: none."""
-        return self._config.backoff_factor
-
-    def set_backoff_factor(self, new_factor: float) -> None:
-        """Set the backoff factor (in (0, 1)). Raises ConfigError otherwise. Host sync: none."""
-        self._config = self._config.with_(backoff_factor=new_factor)
-
-    def get_growth_interval(self) -> int:
-        """The growth interval. Host sync: none."""
-        return self._config.growth_interval
-
-    def set_growth_interval(self, new_interval: int) -> None:
-        """Set the growth interval (an int >= 1). Raises ConfigError otherwise. Host sync: none."""
-        self._config = self._config.with_(growth_interval=new_interval)
-
-    def is_enabled(self) -> bool:
-        """Whether this scaler scales. Host sync: none."""
-        return self._enabled
-
-    @property
-    def config(self) -> ScalerConfig:
-        """The current settings (frozen; change them through the setters). Host sync: none."""
-        return self._config
-
-    # ------------------------------------------------------------------ state
-
-    def _current_values(self) -> LoadedState:
-        if self._state is None:
-            return self._pending
-        exact = self._mirror.resync(self._state)
-        return LoadedState(
-            self._config,
-            exact.scale,
-            exact.growth_tracker,
-            exact.overflow_streak,
-            [int(c) for c in self._state.counters.tolist()],
-        )
-
-    def state_dict(self) -> dict[str, Any]:
-        """torch's five keys (``scale``, ``growth_factor``, ``backoff_factor``,
-        ``growth_interval``, ``_growth_tracker``) plus mixprec's own; ``{}`` when disabled.
-
-        Loads into ``torch.amp.GradScaler`` too (torch ignores the extra keys). Call it after
-        ``update()``.
-
-        Host sync: one, when the scale lives on an accelerator.
-        """
-        if not self._enabled:
-            return {}
-        return export_state(self._config, self._current_values())
-
-    def load_state_dict(self, state_dict: Mapping[str, Any]) -> None:
-        """Load a state dict from :meth:`state_dict` or from ``torch.amp.GradScaler``.
-
-        Everything is validated before anything changes. Works before the first ``scale()``
-        (the values seed the tensors created then). A no-op when disabled.
-
-        Raises:
-            ConfigError: empty dict, missing keys, or values of the wrong type or range.
-
-        Host sync: none (values are written into existing tensors with ``fill_``).
-        """
-        if not self._enabled:
-            return
-        loaded = parse_state_dict(state_dict, self._config)
-        self._config = loaded.config
-        self._pending = loaded
-        self._mirror = HostMirror(loaded.scale, loaded.growth_tracker, loaded.overflow_streak)
-        self._iteration = loaded.counters[0]
-        if self._state is not None:
-            self._state.scale.fill_(loaded.scale)
-            self._state.growth_tracker.fill_(loaded.growth_tracker)
-            self._state.overflow_streak.fill_(loaded.overflow_streak)
-            self._state.counters.copy_(torch.tensor(loaded.counters, dtype=torch.int64))
-        self._end_iteration()
-
-    def __getstate__(self) -> dict[str, Any]:
-        if self._enabled and len(self._phases):
-            raise ScalerStateError(
-                "A GradScaler can only be pickled or copied at the beginning of an iteration or "
-                "after update(); this one is mid-iteration (an optimizer was unscaled or "
-                "stepped). Call scaler.update() first."
-            )
-        values = self._current_values() if self._enabled else self._pending
-        state = dict(self.__dict__)
-        state.update(_state=None, _pending=values, _per_device_cache={}, _inv_scale=None)
-        # Hooks may be lambdas and the skip flags are keyed by object ids of this process.
-        state.update(_hooks={}, _step_skips={}, _last_iteration_skip=None)
-        return state
-
-    def __setstate__(self, state: dict[str, Any]) -> None:
-        self.__dict__.update(state)

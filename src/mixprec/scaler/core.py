@@ -1,0 +1,220 @@
+"""The scaler's settings and state: construction, lazy tensors, getters, setters, checkpoints.
+
+:class:`ScalerCore` holds every attribute the GradScaler shell uses; the iteration protocol
+(``scale``/``unscale_``/``step``/``update``) lives in :mod:`mixprec.scaler.grad_scaler` and the
+signals users read (skip flags, stats, history, hooks) in :mod:`mixprec.scaler.signals`.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Mapping
+from typing import Any
+
+import torch
+
+from mixprec.errors import ConfigError, ScalerStateError
+from mixprec.scaler import diagnostics
+from mixprec.scaler.args import bind_constructor_args, parse_device
+from mixprec.scaler.config import ScalerConfig
+from mixprec.scaler.phases import PhaseTable
+from mixprec.scaler.rule import ScaleState
+from mixprec.scaler.state import LoadedState, export_state, parse_state_dict
+from mixprec.scaler.telemetry import History, HostMirror, UpdateEvent
+
+__all__ = ["ScalerCore"]
+
+
+class ScalerCore:
+    """Settings, device state and checkpointing of a GradScaler (see :class:`GradScaler`)."""
+
+    _hooks: dict[int, Callable[[Any, UpdateEvent], None]]
+
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        bound = bind_constructor_args(args, kwargs)
+        enabled = bound.pop("enabled")
+        if not isinstance(enabled, bool):
+            raise ConfigError(f"enabled must be a bool, got {enabled!r}.")
+        device = parse_device(bound.pop("device"))
+        history = bound.pop("history")
+        if isinstance(history, bool) or not isinstance(history, int) or history < 0:
+            raise ConfigError(f"history must be an int >= 0 (entries kept), got {history!r}.")
+        self._config = ScalerConfig(**bound)
+        self._enabled = enabled
+        self._device = device.type if device is not None else None
+        self._state: ScaleState | None = None
+        self._pending = LoadedState(self._config, self._config.init_scale, 0, 0, [0, 0, 0, 0])
+        self._phases = PhaseTable()
+        self._mirror = HostMirror(self._config.init_scale, 0, 0)
+        self._per_device_cache: dict[torch.device, torch.Tensor] = {}
+        self._inv_scale: torch.Tensor | None = None
+        self._history = History(history)
+        self._hooks: dict[int, Callable[[Any, UpdateEvent], None]] = {}
+        self._iteration = 0
+        self._step_skips: dict[int, torch.Tensor] = {}
+        self._last_iteration_skip: torch.Tensor | None = None
+        self._warned: set[str] = set()
+
+    def _lazy_init(self, device: torch.device) -> ScaleState:
+        if self._state is None:
+            pending = self._pending
+            self._state = ScaleState.create(
+                pending.scale,
+                pending.growth_tracker,
+                pending.overflow_streak,
+                device,
+                pending.counters,
+            )
+            self._device = device.type
+        return self._state
+
+    def _lazy_init_scale_growth_tracker(self, dev: torch.device | str) -> None:
+        """Create the scale tensors on ``dev`` now (torch's private hook, used by accelerate).
+
+        Host sync: none.
+        """
+        self._lazy_init(torch.device(dev))
+
+    def _require_state(self, method: str) -> ScaleState:
+        if self._state is None:
+            raise ScalerStateError(diagnostics.no_scale_message(method))
+        return self._state
+
+    def _end_iteration(self) -> None:
+        self._phases.clear()
+        self._per_device_cache.clear()
+        self._inv_scale = None
+
+    # ------------------------------------------------------------------ getters / setters
+
+    def get_scale(self) -> float:
+        """The current scale as a Python float (1.0 when disabled).
+
+        Host sync: one, when the scale lives on an accelerator.
+        """
+        if not self._enabled:
+            return 1.0
+        if self._state is None:
+            return self._pending.scale
+        return self._mirror.resync(self._state).scale
+
+    def _get_scale_async(self) -> torch.Tensor | None:
+        """The scale tensor, or None before the first ``scale()``. Host sync: none."""
+        return None if self._state is None else self._state.scale
+
+    def _get_growth_tracker(self) -> int:
+        """Clean iterations since the last growth or overflow. Host sync: one off the CPU."""
+        if not self._enabled:
+            return 0
+        if self._state is None:
+            return self._pending.growth_tracker
+        return self._mirror.resync(self._state).growth_tracker
+
+    @property
+    def _scale(self) -> torch.Tensor | None:
+        return self._get_scale_async()
+
+    @property
+    def _growth_tracker(self) -> torch.Tensor | None:
+        return None if self._state is None else self._state.growth_tracker
+
+    def get_growth_factor(self) -> float:
+        """The growth factor. Host sync: none."""
+        return self._config.growth_factor
+
+    def set_growth_factor(self, new_factor: float) -> None:
+        """Set the growth factor (> 1). Raises ConfigError otherwise. Host sync: none."""
+        self._config = self._config.with_(growth_factor=new_factor)
+
+    def get_backoff_factor(self) -> float:
+        """The backoff factor. Host sync: none."""
+        return self._config.backoff_factor
+
+    def set_backoff_factor(self, new_factor: float) -> None:
+        """Set the backoff factor (in (0, 1)). Raises ConfigError otherwise. Host sync: none."""
+        self._config = self._config.with_(backoff_factor=new_factor)
+
+    def get_growth_interval(self) -> int:
+        """The growth interval. Host sync: none."""
+        return self._config.growth_interval
+
+    def set_growth_interval(self, new_interval: int) -> None:
+        """Set the growth interval (an int >= 1). Raises ConfigError otherwise. Host sync: none."""
+        self._config = self._config.with_(growth_interval=new_interval)
+
+    def is_enabled(self) -> bool:
+        """Whether this scaler scales. Host sync: none."""
+        return self._enabled
+
+    @property
+    def config(self) -> ScalerConfig:
+        """The current settings (frozen; change them through the setters). Host sync: none."""
+        return self._config
+
+    # ------------------------------------------------------------------ state
+
+    def _current_values(self) -> LoadedState:
+        if self._state is None:
+            return self._pending
+        exact = self._mirror.resync(self._state)
+        return LoadedState(
+            self._config,
+            exact.scale,
+            exact.growth_tracker,
+            exact.overflow_streak,
+            [int(c) for c in self._state.counters.tolist()],
+        )
+
+    def state_dict(self) -> dict[str, Any]:
+        """torch's five keys (``scale``, ``growth_factor``, ``backoff_factor``,
+        ``growth_interval``, ``_growth_tracker``) plus mixprec's own; ``{}`` when disabled.
+
+        Loads into ``torch.amp.GradScaler`` too (torch ignores the extra keys). Call it after
+        ``update()``.
+
+        Host sync: one, when the scale lives on an accelerator.
+        """
+        if not self._enabled:
+            return {}
+        return export_state(self._config, self._current_values())
+
+    def load_state_dict(self, state_dict: Mapping[str, Any]) -> None:
+        """Load a state dict from :meth:`state_dict` or from ``torch.amp.GradScaler``.
+
+        Everything is validated before anything changes. Works before the first ``scale()``
+        (the values seed the tensors created then). A no-op when disabled.
+
+        Raises:
+            ConfigError: empty dict, missing keys, or values of the wrong type or range.
+
+        Host sync: none (values are written into existing tensors with ``fill_``).
+        """
+        if not self._enabled:
+            return
+        loaded = parse_state_dict(state_dict, self._config)
+        self._config = loaded.config
+        self._pending = loaded
+        self._mirror = HostMirror(loaded.scale, loaded.growth_tracker, loaded.overflow_streak)
+        self._iteration = loaded.counters[0]
+        if self._state is not None:
+            self._state.scale.fill_(loaded.scale)
+            self._state.growth_tracker.fill_(loaded.growth_tracker)
+            self._state.overflow_streak.fill_(loaded.overflow_streak)
+            self._state.counters.copy_(torch.tensor(loaded.counters, dtype=torch.int64))
+        self._end_iteration()
+
+    def __getstate__(self) -> dict[str, Any]:
+        if self._enabled and len(self._phases):
+            raise ScalerStateError(
+                "A GradScaler can only be pickled or copied at the beginning of an iteration or "
+                "after update(); this one is mid-iteration (an optimizer was unscaled or "
+                "stepped). Call scaler.update() first."
+            )
+        values = self._current_values() if self._enabled else self._pending
+        state = dict(self.__dict__)
+        state.update(_state=None, _pending=values, _per_device_cache={}, _inv_scale=None)
+        # Hooks may be lambdas and the skip flags are keyed by object ids of this process.
+        state.update(_hooks={}, _step_skips={}, _last_iteration_skip=None)
+        return state
+
+    def __setstate__(self, state: dict[str, Any]) -> None:
+        self.__dict__.update(state)
