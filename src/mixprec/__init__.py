@@ -25,12 +25,25 @@ from mixprec.scaler.phases import OptState
 from mixprec.scaler.telemetry import HistoryEntry, ScalerStats, UpdateEvent
 
 # --- autocast exports (owned by the autocast work) ---
+# isort: split
+from mixprec.autocast import (
+    DtypeReport,
+    Policy,
+    PolicyTable,
+    ReportRow,
+    Rule,
+    autocast,
+    custom_bwd,
+    custom_fwd,
+    policy_table,
+)
 
 __version__ = "0.1.0"
 
 __all__ = [
     "ConfigError",
     "Diagnosis",
+    "DtypeReport",
     "GradScaler",
     "HistoryEntry",
     "LowPrecisionGradError",
@@ -38,11 +51,19 @@ __all__ = [
     "MixprecError",
     "MixprecWarning",
     "OptState",
+    "Policy",
+    "PolicyTable",
+    "ReportRow",
+    "Rule",
     "ScaleCollapseError",
     "ScaleCollapseWarning",
     "ScalerConfig",
-    "ScalerStats",
     "ScalerStateError",
+    "ScalerStats",
     "UpdateEvent",
     "__version__",
+    "autocast",
+    "custom_bwd",
+    "custom_fwd",
+    "policy_table",
 ]

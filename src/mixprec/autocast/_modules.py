@@ -1,0 +1,328 @@
+"""Module rules: global hooks for discovery and names, persistent per-module hooks for the rules.
+
+While a region with a policy or a report is active, two process-wide module hooks (registered on
+entry, removed at the last exit) keep a thread-local stack of qualified module names and bind each
+module that runs to its rule. A module with a rule (or every module, when the policy has op rules)
+gets a pair of per-instance hooks once; they apply the rule by switching the *native* autocast
+state, which is what makes rules survive ``torch.utils.checkpoint`` recomputation: recompute runs
+in backward, outside the region, with the native state restored by checkpoint, and the per-module
+hooks replay the rule bound at the module's latest forward.
+"""
+
+from __future__ import annotations
+
+import threading
+import weakref
+from typing import Any
+
+import torch
+from torch import nn
+from torch.nn.modules import module as nn_module
+
+from mixprec.autocast._casting import cast_tree, cast_value, first_floating_dtype
+from mixprec.autocast._ops import OpRuleMode
+from mixprec.autocast.policy import Policy
+from mixprec.autocast.rules import Rule
+
+__all__ = ["TLS", "Frame", "acquire_global_hooks", "current_module_name", "release_global_hooks"]
+
+
+class Frame:
+    """The mixprec part of one active region in one thread."""
+
+    __slots__ = ("device_type", "dtype", "enabled", "names_seen", "policy", "stack_len")
+
+    def __init__(
+        self, device_type: str, dtype: torch.dtype, enabled: bool, policy: Policy | None
+    ) -> None:
+        self.device_type = device_type
+        self.dtype = dtype
+        self.enabled = enabled
+        self.policy = policy
+        self.names_seen: set[str] = set()
+        self.stack_len = 0
+
+
+class _Tls(threading.local):
+    def __init__(self) -> None:
+        self.frames: list[Frame] = []
+        self.stack: list[str] = []
+        self.applied: list[tuple[Any, ...] | None] = []
+        self.root_map: dict[int, str] = {}
+        self.root: nn.Module | None = None
+        self.recompute_modes = 0
+
+
+TLS = _Tls()
+
+
+def current_module_name() -> str | None:
+    """Qualified name of the innermost module running in this thread's region (None outside).
+
+    Example:
+        >>> current_module_name() is None
+        True
+
+    Host sync: none.
+    """
+    return TLS.stack[-1] if TLS.stack else None
+
+
+# ---------------------------------------------------------------- names
+_NAME_MAPS: weakref.WeakKeyDictionary[nn.Module, dict[int, str]] = weakref.WeakKeyDictionary()
+
+
+def _unwrap(module: nn.Module) -> nn.Module:
+    inner = getattr(module, "_orig_mod", None)  # torch.compile's OptimizedModule
+    return inner if isinstance(inner, nn.Module) else module
+
+
+def _build_map(root: nn.Module) -> dict[int, str]:
+    mapping = {id(m): name for name, m in root.named_modules(remove_duplicate=False)}
+    _NAME_MAPS[root] = mapping
+    return mapping
+
+
+def _name_of(module: nn.Module) -> str:
+    tls = TLS
+    if not tls.stack:
+        root = _unwrap(module)
+        tls.root = root
+        tls.root_map = _NAME_MAPS.get(root) or _build_map(root)
+        return ""
+    name = tls.root_map.get(id(module))
+    if name is None and tls.root is not None:
+        tls.root_map = _build_map(tls.root)  # the model changed since the map was built
+        name = tls.root_map.get(id(module))
+        if name is None:
+            tls.root_map[id(module)] = name = f"<{type(module).__name__}>"
+    return name if name is not None else f"<{type(module).__name__}>"
+
+
+# ---------------------------------------------------------------- per-module records
+class _Record:
+    __slots__ = ("device_type", "handles", "live", "low", "name", "policy", "rule")
+
+    def __init__(self) -> None:
+        self.policy: Policy | None = None
+        self.name: str | None = None
+        self.rule: Rule | None = None
+        self.device_type = "cpu"
+        self.low = torch.float16
+        self.live = False
+        self.handles: list[Any] = []
+
+
+_RECORDS: weakref.WeakKeyDictionary[nn.Module, _Record] = weakref.WeakKeyDictionary()
+
+
+def _bind(frame: Frame, module: nn.Module, name: str) -> bool:
+    """Bind ``module`` to the frame's policy; True when its rule hooks were attached just now."""
+    policy = frame.policy
+    assert policy is not None
+    rec = _RECORDS.get(module)
+    fresh = False
+    if rec is None or rec.policy is not policy or rec.name != name:
+        rule = policy.module_rule(module, name)
+        if rec is None:
+            if rule is None and not policy.op_rules:
+                return False
+            rec, fresh = _attach(module), True
+        rec.policy, rec.name, rec.rule = policy, name, rule
+    rec.device_type, rec.low, rec.live = frame.device_type, frame.dtype, frame.enabled
+    return fresh
+
+
+_PREPARED: weakref.WeakKeyDictionary[nn.Module, Policy] = weakref.WeakKeyDictionary()
+
+
+def _prepare_tree(root: nn.Module, policy: Policy) -> None:
+    """Attach rule hooks to the root's submodules before they run (their hook lists are read
+    when their call starts, so hooks attached during the call would run only half)."""
+    if _PREPARED.get(root) is policy:
+        return
+    for name, mod in root.named_modules():
+        if name and mod not in _RECORDS:
+            if policy.op_rules or policy.module_rule(mod, name) is not None:
+                _attach(mod)
+    _PREPARED[root] = policy
+
+
+def _attach(module: nn.Module) -> _Record:
+    rec = _Record()
+    rec.handles = [
+        module.register_forward_pre_hook(_instance_pre, with_kwargs=True),
+        module.register_forward_hook(_instance_post, with_kwargs=True, always_call=True),
+    ]
+    _RECORDS[module] = rec
+    return rec
+
+
+def detach_hooks(module: nn.Module) -> int:
+    """Remove the per-module rule hooks mixprec attached to ``module`` and its children.
+
+    Example:
+        >>> from torch import nn
+        >>> detach_hooks(nn.Linear(2, 2))
+        0
+
+    Returns:
+        The number of modules whose hooks were removed.
+
+    Host sync: none.
+    """
+    count = 0
+    for mod in module.modules():
+        rec = _RECORDS.pop(mod, None)
+        if rec is not None:
+            for handle in rec.handles:
+                handle.remove()
+            count += 1
+    return count
+
+
+# ---------------------------------------------------------------- hooks
+def _global_pre(module: nn.Module, args: Any) -> Any:
+    tls = TLS
+    if not tls.frames:
+        return None
+    name = _name_of(module)
+    tls.stack.append(name)
+    frame = tls.frames[-1]
+    policy = frame.policy
+    if policy is None:
+        return None
+    frame.names_seen.add(name)
+    if not name and tls.root is not None:
+        _prepare_tree(tls.root, policy)
+    if _bind(frame, module, name):
+        # First call of a module outside the prepared tree (typically the root): its own pre-hook
+        # list was read before we attached, so apply the rule here (positional inputs only); its
+        # post-hook list is read after forward, so the instance post-hook will restore.
+        result = _instance_pre(module, args, {})
+        return None if result is None else result[0]
+    return None
+
+
+def _global_post(module: nn.Module, args: Any, output: Any) -> None:
+    tls = TLS
+    if tls.frames and len(tls.stack) > tls.frames[-1].stack_len:
+        tls.stack.pop()
+
+
+def _rule_active(rec: _Record) -> bool:
+    if TLS.frames:
+        return rec.live
+    if torch._C._current_graph_task_id() != -1:
+        return rec.live  # checkpoint recomputation: replay the latest forward's rule
+    rec.live = False  # a forward outside any policy region: forget the rule
+    return False
+
+
+def _instance_pre(
+    module: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any]
+) -> tuple[tuple[Any, ...], dict[str, Any]] | None:
+    rec = _RECORDS.get(module)
+    if rec is None or not _rule_active(rec) or not torch.is_autocast_enabled(rec.device_type):
+        TLS.applied.append(None)
+        return None
+    mode = _push_recompute_mode(rec)
+    rule = rec.rule
+    if rule is None:
+        TLS.applied.append((None, mode, None, None, rec))
+        return None
+    saved, args, kwargs = _enter_rule(rule, rec, args, kwargs)
+    TLS.applied.append((saved, mode, rule, first_floating_dtype(args, kwargs), rec))
+    return args, kwargs
+
+
+def _enter_rule(
+    rule: Rule, rec: _Record, args: tuple[Any, ...], kwargs: dict[str, Any]
+) -> tuple[tuple[bool, torch.dtype, bool], tuple[Any, ...], dict[str, Any]]:
+    dev = rec.device_type
+    saved = (
+        torch.is_autocast_enabled(dev),
+        torch.get_autocast_dtype(dev),
+        torch.is_autocast_cache_enabled(),
+    )
+    if rule.compute in ("fp32", "keep"):
+        torch.set_autocast_enabled(dev, False)
+        if rule.compute == "fp32":
+            args, kwargs = cast_tree(args, kwargs, dev, torch.float32)
+        return saved, args, kwargs
+    target = rule.compute_dtype(rec.low)
+    if target is not None and target != saved[1]:
+        torch.set_autocast_dtype(dev, target)
+        torch.set_autocast_cache_enabled(False)  # the cast cache is not keyed by dtype
+    return saved, args, kwargs
+
+
+def _instance_post(
+    module: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any], output: Any
+) -> Any:
+    tls = TLS
+    entry = tls.applied.pop() if tls.applied else None
+    if entry is None:
+        return None
+    saved, mode, rule, in_dtype, rec = entry
+    if mode is not None:
+        tls.recompute_modes -= 1
+        mode.__exit__(None, None, None)
+    if saved is None:
+        return None
+    dev = rec.device_type
+    torch.set_autocast_enabled(dev, saved[0])
+    torch.set_autocast_dtype(dev, saved[1])
+    torch.set_autocast_cache_enabled(saved[2])
+    out_dtype = rule.output_dtype(rec.low, in_dtype)
+    if out_dtype is None or output is None:
+        return None
+    return cast_value(output, dev, out_dtype)
+
+
+def _push_recompute_mode(rec: _Record) -> OpRuleMode | None:
+    tls = TLS
+    if tls.frames or tls.recompute_modes or rec.policy is None or not rec.policy.op_rules:
+        return None
+    mode = OpRuleMode(rec.policy.op_table, rec.device_type)
+    mode.__enter__()
+    tls.recompute_modes += 1
+    return mode
+
+
+# ---------------------------------------------------------------- global registration
+_LOCK = threading.Lock()
+_GLOBAL: dict[str, Any] = {"count": 0, "handles": []}
+
+
+def acquire_global_hooks() -> None:
+    """Register the process-wide discovery hooks (reference counted across regions and threads).
+
+    Example:
+        >>> acquire_global_hooks(); release_global_hooks()
+
+    Host sync: none.
+    """
+    with _LOCK:
+        _GLOBAL["count"] += 1
+        if _GLOBAL["count"] == 1:
+            _GLOBAL["handles"] = [
+                nn_module.register_module_forward_pre_hook(_global_pre),
+                nn_module.register_module_forward_hook(_global_post, always_call=True),
+            ]
+
+
+def release_global_hooks() -> None:
+    """Drop one reference to the discovery hooks; the last one removes them.
+
+    Example:
+        >>> acquire_global_hooks(); release_global_hooks()
+
+    Host sync: none.
+    """
+    with _LOCK:
+        _GLOBAL["count"] -= 1
+        if _GLOBAL["count"] == 0:
+            for handle in _GLOBAL["handles"]:
+                handle.remove()
+            _GLOBAL["handles"] = []

@@ -1,0 +1,223 @@
+"""``mixprec.autocast``: native ``torch.autocast`` underneath, plus policies and a dtype report."""
+
+from __future__ import annotations
+
+import functools
+import threading
+from collections.abc import Callable
+from typing import Any, TypeVar
+
+import torch
+
+from mixprec.autocast._devices import resolve_device_type, resolve_low_dtype
+from mixprec.autocast._modules import TLS, Frame, acquire_global_hooks, release_global_hooks
+from mixprec.autocast._ops import OpRuleMode
+from mixprec.autocast.policy import Policy
+from mixprec.autocast.report import DtypeReport
+from mixprec.errors import ConfigError
+
+__all__ = ["autocast"]
+
+F = TypeVar("F", bound=Callable[..., Any])
+
+
+def _check_bool(name: str, value: object, allow_none: bool = False) -> None:
+    if isinstance(value, bool) or (allow_none and value is None):
+        return
+    accepted = "True, False or None" if allow_none else "True or False"
+    raise ConfigError(f"{name} must be {accepted}, got {value!r}")
+
+
+def _coerce_policy(policy: object) -> Policy | None:
+    if policy is None or isinstance(policy, Policy):
+        return policy
+    if isinstance(policy, str):
+        return Policy(policy)
+    raise ConfigError(
+        f"policy must be a mixprec.Policy, a policy string or None, got {type(policy).__name__}"
+    )
+
+
+class _Entered:
+    """What one ``__enter__`` did, so that ``__exit__`` can undo exactly that."""
+
+    __slots__ = ("frame", "hooks", "mode", "native", "recorder")
+
+    def __init__(self, native: torch.autocast) -> None:
+        self.native = native
+        self.frame: Frame | None = None
+        self.hooks = False
+        self.mode: OpRuleMode | None = None
+        self.recorder: Any = None
+
+
+class autocast:
+    """Context manager and decorator: a mixed-precision region on any device.
+
+    Enters native ``torch.autocast`` (C++ casts, the weight cache, autograd and ``torch.compile``
+    support). Without a policy and a report it behaves exactly like ``torch.autocast``. With a
+    :class:`mixprec.Policy`, module rules apply to every module run inside the region and op rules
+    to matching torch function calls; both keep working in checkpoint recomputation. Re-entrant,
+    nestable and thread-local like the native region (new threads must enter their own region).
+
+    Args:
+        device_type: ``"cpu"``, ``"cuda"``, ``"cuda:0"``, a ``torch.device``, or ``None`` for the
+            device the user trains on (the current accelerator when there is one, else the CPU).
+        dtype: the low-precision dtype, ``torch.float16`` (default, as in torch.cuda.amp) or
+            ``torch.bfloat16``. Any other dtype raises :class:`ConfigError` (native autocast only
+            warns and disables itself); to compute in fp32 pass ``enabled=False``.
+        enabled: whether the region casts at all; when ``False`` no rule applies either.
+        cache_enabled: the native weight-cast cache; ``None`` inherits the current setting, except
+            that a nested region switching to a different low dtype turns it off (the native cache
+            is not keyed by dtype and would reuse the outer region's casts).
+        policy: optional :class:`mixprec.Policy` or policy string. A nested region without a policy
+            inherits the enclosing region's policy.
+        report: record a :class:`DtypeReport` of the forward ops into :attr:`report` (slow: an
+            observing dispatch mode; eager only).
+
+    Example:
+        >>> import torch
+        >>> import mixprec
+        >>> lin = torch.nn.Linear(4, 4)
+        >>> with mixprec.autocast("cpu"):
+        ...     y = lin(torch.randn(2, 4))
+        >>> y.dtype
+        torch.float16
+        >>> policy = mixprec.Policy("nn.Linear=fp32")
+        >>> with mixprec.autocast("cpu", torch.bfloat16, policy=policy):
+        ...     lin(torch.randn(2, 4)).dtype
+        torch.float32
+
+    Raises:
+        ConfigError: an unknown device type, a dtype other than float16/bfloat16, a non-bool
+            flag, a bad policy; at exit, with a strict policy, a module name rule that matched no
+            module run in the region.
+
+    Host sync: none.
+    """
+
+    def __init__(
+        self,
+        device_type: str | torch.device | None = None,
+        dtype: torch.dtype | None = None,
+        enabled: bool = True,
+        cache_enabled: bool | None = None,
+        *,
+        policy: Policy | str | None = None,
+        report: bool = False,
+    ) -> None:
+        _check_bool("enabled", enabled)
+        _check_bool("cache_enabled", cache_enabled, allow_none=True)
+        _check_bool("report", report)
+        self.device = resolve_device_type(device_type)
+        self.fast_dtype = resolve_low_dtype(dtype)
+        self.enabled = enabled
+        self.cache_enabled = cache_enabled
+        self.policy = _coerce_policy(policy)
+        self.report: DtypeReport | None = DtypeReport() if report else None
+        self._stacks: dict[int, list[_Entered]] = {}
+
+    def _native(self) -> torch.autocast:
+        cache = self.cache_enabled
+        dev = self.device
+        if (
+            cache is None
+            and torch.is_autocast_enabled(dev)
+            and torch.get_autocast_dtype(dev) != self.fast_dtype
+        ):
+            cache = False
+        return torch.autocast(dev, dtype=self.fast_dtype, enabled=self.enabled, cache_enabled=cache)
+
+    def __enter__(self) -> autocast:
+        native = self._native()
+        native.__enter__()
+        entered = _Entered(native)
+        self._stacks.setdefault(threading.get_ident(), []).append(entered)
+        if self.policy is not None or self.report is not None or TLS.frames:
+            self._enter_machinery(entered)
+        return self
+
+    def _enter_machinery(self, entered: _Entered) -> None:
+        tls = TLS
+        policy = self.policy
+        if policy is None and tls.frames:
+            policy = tls.frames[-1].policy
+        enabled = bool(getattr(entered.native, "_enabled", self.enabled))
+        frame = Frame(self.device, self.fast_dtype, enabled, policy)
+        frame.stack_len = len(tls.stack)
+        tls.frames.append(frame)
+        entered.frame = frame
+        if policy is not None or self.report is not None:
+            acquire_global_hooks()
+            entered.hooks = True
+        if policy is not None and policy.op_rules and enabled:
+            entered.mode = OpRuleMode(policy.op_table, self.device)
+            entered.mode.__enter__()
+        if self.report is not None:
+            entered.recorder = self.report.record("forward")
+            entered.recorder.__enter__()
+
+    def __exit__(self, exc_type: Any, exc: Any, tb: Any) -> None:
+        stack = self._stacks[threading.get_ident()]
+        entered = stack.pop()
+        if not stack:
+            del self._stacks[threading.get_ident()]
+        try:
+            if entered.frame is not None:
+                self._exit_machinery(entered, exc_type is None)
+        finally:
+            entered.native.__exit__(exc_type, exc, tb)
+
+    def _exit_machinery(self, entered: _Entered, clean: bool) -> None:
+        tls = TLS
+        frame = entered.frame
+        assert frame is not None
+        try:
+            if entered.recorder is not None:
+                entered.recorder.__exit__(None, None, None)
+            if entered.mode is not None:
+                entered.mode.__exit__(None, None, None)
+        finally:
+            if entered.hooks:
+                release_global_hooks()
+            del tls.frames[tls.frames.index(frame) :]
+            del tls.stack[frame.stack_len :]
+        policy = frame.policy
+        strict = clean and policy is not None and policy is self.policy and policy.strict
+        if strict and policy is not None and policy.name_rules and frame.names_seen:
+            policy.check_names(sorted(frame.names_seen), frame.names_seen)
+
+    def __call__(self, func: F) -> F:
+        """Use the region as a decorator: each call enters a fresh region with these settings.
+
+        Example:
+            >>> import torch
+            >>> import mixprec
+            >>> @mixprec.autocast("cpu", torch.bfloat16)
+            ... def f(a, b):
+            ...     return a @ b
+            >>> f(torch.ones(2, 2), torch.ones(2, 2)).dtype
+            torch.bfloat16
+
+        Host sync: none.
+        """
+
+        @functools.wraps(func)
+        def wrapper(*args: Any, **kwargs: Any) -> Any:
+            with self._clone():
+                return func(*args, **kwargs)
+
+        return wrapper  # type: ignore[return-value]
+
+    def _clone(self) -> autocast:
+        new = autocast.__new__(autocast)
+        new.__dict__.update(self.__dict__)
+        new._stacks = {}
+        return new
+
+    def __repr__(self) -> str:
+        extra = f", policy={self.policy!r}" if self.policy is not None else ""
+        return (
+            f"mixprec.autocast({self.device!r}, {self.fast_dtype}, enabled={self.enabled}, "
+            f"cache_enabled={self.cache_enabled}{extra})"
+        )
