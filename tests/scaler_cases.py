@@ -49,8 +49,10 @@ def make_models(n: int) -> list[nn.Module]:
 
 def data(iterations: int) -> list[tuple[torch.Tensor, torch.Tensor]]:
     gen = torch.Generator().manual_seed(1)
-    return [(torch.randn(16, 8, generator=gen), torch.randn(16, 4, generator=gen)) for _ in
-            range(iterations)]
+    return [
+        (torch.randn(16, 8, generator=gen), torch.randn(16, 4, generator=gen))
+        for _ in range(iterations)
+    ]
 
 
 def run(case: Case, make_scaler: Callable[..., Any]) -> Trace:

@@ -11,9 +11,9 @@ import math
 
 import pytest
 import torch
+from tests.scaler_cases import Case, Trace, run
 
 import mixprec
-from tests.scaler_cases import Case, Trace, run
 
 SGD = functools.partial(torch.optim.SGD, lr=0.1)
 OPTIMIZERS = {
