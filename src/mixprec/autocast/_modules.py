@@ -12,7 +12,6 @@ hooks replay the rule bound at the module's latest forward.
 from __future__ import annotations
 
 import threading
-import weakref
 from typing import Any
 
 import torch
@@ -69,7 +68,10 @@ def current_module_name() -> str | None:
 
 
 # ---------------------------------------------------------------- names
-_NAME_MAPS: weakref.WeakKeyDictionary[nn.Module, dict[int, str]] = weakref.WeakKeyDictionary()
+# Per-module state lives in instance attributes (not weak dictionaries, which Dynamo cannot trace).
+_NAMES_ATTR = "_mixprec_names"
+_REC_ATTR = "_mixprec_rule"
+_PREPARED_ATTR = "_mixprec_prepared"
 
 
 def _unwrap(module: nn.Module) -> nn.Module:
@@ -79,7 +81,7 @@ def _unwrap(module: nn.Module) -> nn.Module:
 
 def _build_map(root: nn.Module) -> dict[int, str]:
     mapping = {id(m): name for name, m in root.named_modules(remove_duplicate=False)}
-    _NAME_MAPS[root] = mapping
+    object.__setattr__(root, _NAMES_ATTR, mapping)
     return mapping
 
 
@@ -88,7 +90,7 @@ def _name_of(module: nn.Module) -> str:
     if not tls.stack:
         root = _unwrap(module)
         tls.root = root
-        tls.root_map = _NAME_MAPS.get(root) or _build_map(root)
+        tls.root_map = getattr(root, _NAMES_ATTR, None) or _build_map(root)
         return ""
     name = tls.root_map.get(id(module))
     if name is None and tls.root is not None:
@@ -101,8 +103,6 @@ def _name_of(module: nn.Module) -> str:
 
 # ---------------------------------------------------------------- per-module records
 class _Record:
-    __slots__ = ("device_type", "handles", "live", "low", "name", "policy", "rule")
-
     def __init__(self) -> None:
         self.policy: Policy | None = None
         self.name: str | None = None
@@ -113,14 +113,15 @@ class _Record:
         self.handles: list[Any] = []
 
 
-_RECORDS: weakref.WeakKeyDictionary[nn.Module, _Record] = weakref.WeakKeyDictionary()
+def _record(module: nn.Module) -> _Record | None:
+    return module.__dict__.get(_REC_ATTR)
 
 
 def _bind(frame: Frame, module: nn.Module, name: str) -> bool:
     """Bind ``module`` to the frame's policy; True when its rule hooks were attached just now."""
     policy = frame.policy
     assert policy is not None
-    rec = _RECORDS.get(module)
+    rec = _record(module)
     fresh = False
     if rec is None or rec.policy is not policy or rec.name != name:
         rule = policy.module_rule(module, name)
@@ -133,19 +134,16 @@ def _bind(frame: Frame, module: nn.Module, name: str) -> bool:
     return fresh
 
 
-_PREPARED: weakref.WeakKeyDictionary[nn.Module, Policy] = weakref.WeakKeyDictionary()
-
-
 def _prepare_tree(root: nn.Module, policy: Policy) -> None:
     """Attach rule hooks to the root's submodules before they run (their hook lists are read
     when their call starts, so hooks attached during the call would run only half)."""
-    if _PREPARED.get(root) is policy:
+    if root.__dict__.get(_PREPARED_ATTR) is policy:
         return
     for name, mod in root.named_modules():
-        if name and mod not in _RECORDS:
-            if policy.op_rules or policy.module_rule(mod, name) is not None:
-                _attach(mod)
-    _PREPARED[root] = policy
+        wanted = bool(policy.op_rules) or policy.module_rule(mod, name) is not None
+        if name and _record(mod) is None and wanted:
+            _attach(mod)
+    object.__setattr__(root, _PREPARED_ATTR, policy)
 
 
 def _attach(module: nn.Module) -> _Record:
@@ -154,7 +152,7 @@ def _attach(module: nn.Module) -> _Record:
         module.register_forward_pre_hook(_instance_pre, with_kwargs=True),
         module.register_forward_hook(_instance_post, with_kwargs=True, always_call=True),
     ]
-    _RECORDS[module] = rec
+    object.__setattr__(module, _REC_ATTR, rec)
     return rec
 
 
@@ -173,7 +171,9 @@ def detach_hooks(module: nn.Module) -> int:
     """
     count = 0
     for mod in module.modules():
-        rec = _RECORDS.pop(mod, None)
+        rec = mod.__dict__.pop(_REC_ATTR, None)
+        mod.__dict__.pop(_PREPARED_ATTR, None)
+        mod.__dict__.pop(_NAMES_ATTR, None)
         if rec is not None:
             for handle in rec.handles:
                 handle.remove()
@@ -222,7 +222,7 @@ def _rule_active(rec: _Record) -> bool:
 def _instance_pre(
     module: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any]
 ) -> tuple[tuple[Any, ...], dict[str, Any]] | None:
-    rec = _RECORDS.get(module)
+    rec = _record(module)
     if rec is None or not _rule_active(rec) or not torch.is_autocast_enabled(rec.device_type):
         TLS.applied.append(None)
         return None
