@@ -1,0 +1,21 @@
+"""Adapters between mixprec and the tools users already run: Lightning, accelerate, TensorBoard,
+``logging`` and matplotlib.
+
+Every submodule imports its third-party package only when used, and says which extra to install
+when it is missing; ``import mixprec`` never imports any of them.
+
+* :mod:`mixprec.integrations.lightning`: a precision plugin (``pip install 'mixprec[lightning]'``).
+* :mod:`mixprec.integrations.accelerate`: ``use_mixprec_scaler(accelerator)``
+  (``pip install 'mixprec[accelerate]'``).
+* :mod:`mixprec.integrations.tensorboard` and :mod:`mixprec.integrations.logging`: update hooks
+  that write the scale, the skips and the grad norm (``pip install 'mixprec[tensorboard]'``).
+* :mod:`mixprec.integrations.plot`: :func:`mixprec.plot` (``pip install 'mixprec[plot]'``).
+* :mod:`mixprec.integrations.schedulers`: :class:`SkipAwareScheduler`, an LR scheduler that does
+  not advance on skipped steps (no extra needed).
+"""
+
+from __future__ import annotations
+
+from mixprec.integrations.schedulers import SkipAwareScheduler
+
+__all__ = ["SkipAwareScheduler"]
