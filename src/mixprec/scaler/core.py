@@ -7,6 +7,7 @@ signals users read (skip flags, stats, history, hooks) in :mod:`mixprec.scaler.s
 
 from __future__ import annotations
 
+from collections import OrderedDict
 from collections.abc import Callable, Mapping
 from typing import Any
 
@@ -27,7 +28,8 @@ __all__ = ["ScalerCore"]
 class ScalerCore:
     """Settings, device state and checkpointing of a GradScaler (see :class:`GradScaler`)."""
 
-    _hooks: dict[int, Callable[[Any, UpdateEvent], None]]
+    # An OrderedDict because torch's RemovableHandle keeps a weak reference to it.
+    _hooks: OrderedDict[int, Callable[[Any, UpdateEvent], None]]
 
     def __init__(self, *args: Any, **kwargs: Any) -> None:
         bound = bind_constructor_args(args, kwargs)
@@ -48,7 +50,7 @@ class ScalerCore:
         self._per_device_cache: dict[torch.device, torch.Tensor] = {}
         self._inv_scale: torch.Tensor | None = None
         self._history = History(history)
-        self._hooks: dict[int, Callable[[Any, UpdateEvent], None]] = {}
+        self._hooks = OrderedDict()
         self._iteration = 0
         self._step_skips: dict[int, torch.Tensor] = {}
         self._last_iteration_skip: torch.Tensor | None = None
@@ -213,7 +215,7 @@ class ScalerCore:
         state = dict(self.__dict__)
         state.update(_state=None, _pending=values, _per_device_cache={}, _inv_scale=None)
         # Hooks may be lambdas and the skip flags are keyed by object ids of this process.
-        state.update(_hooks={}, _step_skips={}, _last_iteration_skip=None)
+        state.update(_hooks=OrderedDict(), _step_skips={}, _last_iteration_skip=None)
         return state
 
     def __setstate__(self, state: dict[str, Any]) -> None:

@@ -1,0 +1,154 @@
+"""The update rule: against torch's kernel, against a tiny reference, and scripted trajectories."""
+
+from __future__ import annotations
+
+import math
+
+import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from mixprec import ScalerConfig
+from mixprec.scaler.config import FP32_TINY
+from mixprec.scaler.rule import HostScale, ScaleState, _general_update_, to_f32, update_scale_
+
+# Overflow flags as torch sees them: 0 is clean; anything else (NaN and negatives too) overflows.
+flags = st.sampled_from([0.0, 0.0, 0.0, 1.0, 2.0, math.nan, -1.0])
+scales = st.floats(min_value=FP32_TINY, max_value=3.0e38).map(to_f32)
+factors = st.sampled_from([1.5, 2.0, 4.0, 16.0])
+backoffs = st.sampled_from([0.5, 0.25, 0.9, 0.1])
+
+
+def _reference(
+    scale: float, tracker: int, streak: int, overflow: bool, cfg: ScalerConfig
+) -> tuple[float, int, int]:
+    """The documented rule, written as plainly as possible with numpy-free float32 rounding."""
+    if overflow:
+        streak, tracker = streak + 1, 0
+        if streak >= cfg.hysteresis:
+            scale = to_f32(scale * cfg.backoff_factor)
+    else:
+        streak, tracker = 0, tracker + 1
+        if tracker == cfg.growth_interval:
+            tracker = 0
+            grown = to_f32(scale * cfg.growth_factor)
+            if cfg.max_scale is not None and grown > cfg.max_scale:
+                grown = cfg.max_scale
+            if math.isfinite(grown):
+                scale = grown
+    scale = max(scale, cfg.min_scale if cfg.min_scale is not None else FP32_TINY)
+    if cfg.max_scale is not None:
+        scale = min(scale, cfg.max_scale)
+    return scale, tracker, streak
+
+
+@settings(max_examples=150, deadline=None)
+@given(
+    scale=scales,
+    growth=factors,
+    backoff=backoffs,
+    interval=st.integers(1, 4),
+    sequence=st.lists(flags, min_size=1, max_size=12),
+)
+def test_general_rule_equals_torch_kernel(
+    scale: float, growth: float, backoff: float, interval: int, sequence: list[float]
+) -> None:
+    """With hysteresis 1 the tensor-op rule is bit-identical to torch's ``_amp_update_scale_``."""
+    cfg = ScalerConfig(
+        init_scale=scale, growth_factor=growth, backoff_factor=backoff, growth_interval=interval
+    )
+    ours = ScaleState.create(scale, 0, 0, torch.device("cpu"))
+    t_scale = torch.full((), scale)
+    t_tracker = torch.zeros((), dtype=torch.int32)
+    for flag in sequence:
+        found = torch.tensor(flag)
+        _general_update_(ours, found != 0, cfg)
+        torch._amp_update_scale_(t_scale, t_tracker, found, growth, backoff, interval)
+        if t_scale.item() < FP32_TINY:  # torch has no floor; ours clamps later
+            return
+        assert ours.scale.item() == t_scale.item()
+        assert ours.growth_tracker.item() == t_tracker.item()
+
+
+@settings(max_examples=150, deadline=None)
+@given(
+    scale=scales,
+    growth=factors,
+    backoff=backoffs,
+    interval=st.integers(1, 4),
+    hysteresis=st.integers(1, 3),
+    bounds=st.tuples(st.sampled_from([None, 1.0, 2.0**-10]), st.sampled_from([None, 2.0**20])),
+    sequence=st.lists(flags, min_size=1, max_size=16),
+)
+def test_device_rule_and_host_mirror_equal_reference(
+    scale: float,
+    growth: float,
+    backoff: float,
+    interval: int,
+    hysteresis: int,
+    bounds: tuple[float | None, float | None],
+    sequence: list[float],
+) -> None:
+    low, high = bounds
+    scale = min(max(scale, low or 0.0), high or math.inf)
+    cfg = ScalerConfig(
+        init_scale=scale,
+        growth_factor=growth,
+        backoff_factor=backoff,
+        growth_interval=interval,
+        hysteresis=hysteresis,
+        min_scale=low,
+        max_scale=high,
+    )
+    state = ScaleState.create(scale, 0, 0, torch.device("cpu"))
+    mirror = HostScale(scale, 0, 0)
+    expected = (scale, 0, 0)
+    for flag in sequence:
+        overflow = flag != 0 or math.isnan(flag)
+        update_scale_(state, torch.tensor(flag), cfg)
+        mirror = mirror.advance(overflow, cfg)
+        expected = _reference(*expected, overflow, cfg)
+        got = (state.scale.item(), state.growth_tracker.item(), state.overflow_streak.item())
+        assert got == expected == (mirror.scale, mirror.growth_tracker, mirror.overflow_streak)
+        assert (low or FP32_TINY) <= got[0] <= (high or 3.5e38)
+        # powers of two stay exact powers of two with power-of-two factors
+        if (
+            math.log2(scale).is_integer()
+            and math.log2(growth).is_integer()
+            and math.log2(backoff).is_integer()
+        ):
+            assert math.log2(got[0]).is_integer()
+
+
+def _trajectory(cfg: ScalerConfig, sequence: str) -> list[tuple[float, int, int]]:
+    state = ScaleState.create(cfg.init_scale, 0, 0, torch.device("cpu"))
+    out = []
+    for ch in sequence:
+        update_scale_(state, torch.tensor(1.0 if ch == "x" else 0.0), cfg)
+        out.append((state.scale.item(), state.growth_tracker.item(), state.overflow_streak.item()))
+    return out
+
+
+def test_scripted_hysteresis() -> None:
+    cfg = ScalerConfig(init_scale=64.0, growth_interval=2, hysteresis=2)
+    assert _trajectory(cfg, "x.xxx..") == [
+        (64.0, 0, 1),  # first overflow: skipped, no backoff yet
+        (64.0, 1, 0),  # clean: the overflow count resets
+        (64.0, 0, 1),
+        (32.0, 0, 2),  # second consecutive overflow backs off
+        (16.0, 0, 3),  # and every one after it
+        (16.0, 1, 0),
+        (32.0, 0, 0),  # growth after the interval
+    ]
+
+
+def test_scripted_bounds_and_floor() -> None:
+    bounded = ScalerConfig(init_scale=4.0, growth_interval=1, min_scale=2.0, max_scale=8.0)
+    assert [s for s, _, _ in _trajectory(bounded, "..xxx")] == [8.0, 8.0, 4.0, 2.0, 2.0]
+    floor = ScalerConfig(init_scale=2.0**-120, backoff_factor=0.5)
+    assert [s for s, _, _ in _trajectory(floor, "xxxxxxxxx")][-1] == FP32_TINY
+
+
+def test_growth_never_reaches_inf() -> None:
+    cfg = ScalerConfig(init_scale=3.0e38, growth_interval=1)
+    assert _trajectory(cfg, "...") == [(to_f32(3.0e38), 0, 0)] * 3
