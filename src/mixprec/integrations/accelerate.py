@@ -1,0 +1,146 @@
+"""accelerate: mixprec's GradScaler inside ``accelerate.Accelerator``.
+
+accelerate has no ``scaler=`` argument, but it calls its scaler by duck typing, so a scaler
+assigned to ``accelerator.scaler`` before ``prepare()`` is used for ``backward``, ``clip_grad_*``,
+the optimizer step and ``save_state``/``load_state``. :func:`use_mixprec_scaler` does that and
+fixes what a bare assignment gets wrong:
+
+* On the CPU, ``Accelerator(mixed_precision="fp16")`` silently trains in fp32 (accelerate 1.15
+  sets ``native_amp=False`` and no scaler there). The helper turns fp16 autocast on.
+* accelerate reports a skipped step (``optimizer.step_was_skipped``,
+  ``accelerator.optimizer_step_was_skipped``, and ``AcceleratedScheduler`` that reads it) when
+  the scaler did not call ``optimizer.step``. Fused optimizers (``fused=True``) skip inside their
+  kernel, so their steps are always called: every skipped step after the first is reported as
+  taken, and the LR schedule runs on. The helper answers from
+  ``scaler.last_step_skipped(optimizer)`` instead, which is right for both kinds.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from mixprec.errors import ConfigError, ScalerStateError
+from mixprec.integrations._deps import require
+from mixprec.scaler.grad_scaler import GradScaler
+
+__all__ = ["use_mixprec_scaler"]
+
+_PURPOSE = "mixprec.integrations.accelerate"
+# Engines that scale the loss themselves, and FSDP1, whose gradient shards are plain tensors
+# that mixprec's scaler does not reduce across ranks (every rank must agree on a skip).
+_UNSUPPORTED = {
+    "DEEPSPEED": "DeepSpeed scales the loss itself; configure its fp16 section instead.",
+    "MEGATRON_LM": "Megatron-LM scales the loss itself.",
+    "FSDP": "FSDP1 needs a scaler that agrees on overflow across ranks: keep accelerate's "
+    "ShardedGradScaler (no helper) or use FSDP2 (fsdp_version=2).",
+}
+
+
+def use_mixprec_scaler(accelerator: Any, scaler: GradScaler | None = None) -> GradScaler:
+    """Make ``accelerator`` use mixprec's ``scaler`` (on every device, the CPU included).
+
+    Call it right after constructing the Accelerator, before ``prepare()``. Then ``backward``,
+    ``clip_grad_norm_``, ``optimizer.step()``, ``save_state``/``load_state`` go through the
+    scaler, and ``step_was_skipped`` (hence ``AcceleratedScheduler``) is right for fused
+    optimizers too.
+
+    Args:
+        accelerator: an ``accelerate.Accelerator`` built with ``mixed_precision="fp16"``.
+        scaler: the scaler (default: a ``mixprec.GradScaler`` with the settings of the
+            accelerator's ``GradScalerKwargs`` handler, if any, which accelerate ignores on
+            the CPU).
+
+    Returns:
+        The scaler now in use (also ``accelerator.scaler``).
+
+    Raises:
+        ConfigError: ``mixed_precision`` is not ``"fp16"``, or a distributed engine that scales
+            on its own (DeepSpeed, Megatron-LM) or FSDP1.
+        ScalerStateError: an optimizer was already prepared.
+
+    Example:
+        >>> from accelerate import Accelerator  # doctest: +SKIP
+        >>> acc = Accelerator(mixed_precision="fp16", cpu=True)  # doctest: +SKIP
+        >>> scaler = use_mixprec_scaler(acc)  # doctest: +SKIP
+        >>> model, opt = acc.prepare(model, opt)  # doctest: +SKIP
+
+    Host sync: none.
+    """
+    require("accelerate", "accelerate", _PURPOSE)
+    _check_accelerator(accelerator)
+    if scaler is None:
+        handler = getattr(accelerator, "scaler_handler", None)
+        scaler = GradScaler(**(handler.to_kwargs() if handler is not None else {}))
+    accelerator.scaler = scaler
+    accelerator.native_amp = True
+    _patch_prepare_optimizer(accelerator)
+    return scaler
+
+
+def _check_accelerator(accelerator: Any) -> None:
+    mixed = getattr(accelerator, "mixed_precision", None)
+    if mixed != "fp16":
+        raise ConfigError(
+            f"use_mixprec_scaler needs Accelerator(mixed_precision='fp16'), got "
+            f"mixed_precision={mixed!r}. bf16 needs no loss scaling."
+        )
+    engine = getattr(accelerator.distributed_type, "name", str(accelerator.distributed_type))
+    if engine in _UNSUPPORTED:
+        raise ConfigError(
+            f"use_mixprec_scaler does not support distributed_type={engine}: {_UNSUPPORTED[engine]}"
+        )
+    if getattr(accelerator, "_optimizers", None):
+        raise ScalerStateError(
+            f"use_mixprec_scaler was called after prepare(): {len(accelerator._optimizers)} "
+            "optimizer(s) already hold accelerate's scaler. Call it right after "
+            "Accelerator(...), before accelerator.prepare(...)."
+        )
+
+
+def _patch_prepare_optimizer(accelerator: Any) -> None:
+    """Give each optimizer ``prepare()`` returns a ``step_was_skipped`` read from the scaler."""
+    original = accelerator.prepare_optimizer
+    if getattr(original, "_mixprec_patched", False):
+        return
+
+    def prepare_optimizer(optimizer: Any, device_placement: Any = None) -> Any:
+        prepared = original(optimizer, device_placement=device_placement)
+        cls = optimizer_class()
+        if type(prepared) is not cls and isinstance(prepared.scaler, GradScaler):
+            prepared.__class__ = cls
+        return prepared
+
+    prepare_optimizer._mixprec_patched = True  # type: ignore[attr-defined]
+    accelerator.prepare_optimizer = prepare_optimizer
+
+
+_CLASS: list[type] = []
+
+
+def optimizer_class() -> type:
+    """``accelerate.optimizer.AcceleratedOptimizer`` with ``step_was_skipped`` answered by
+    ``scaler.last_step_skipped(optimizer)`` (read when asked, not on every step).
+
+    Host sync: none to build it; one per ``step_was_skipped`` read (free on the CPU).
+    """
+    if not _CLASS:
+        base: Any = require("accelerate.optimizer", "accelerate", _PURPOSE).AcceleratedOptimizer
+
+        class MixprecAcceleratedOptimizer(base):
+            @property
+            def step_was_skipped(self) -> bool:
+                try:
+                    return bool(self.scaler.last_step_skipped(self.optimizer))
+                except ScalerStateError:
+                    return False  # not stepped yet (accelerate's own default)
+
+        MixprecAcceleratedOptimizer.__module__ = __name__
+        MixprecAcceleratedOptimizer.__qualname__ = "MixprecAcceleratedOptimizer"
+        _CLASS.append(MixprecAcceleratedOptimizer)
+    return _CLASS[0]
+
+
+def __getattr__(name: str) -> Any:
+    if name == "MixprecAcceleratedOptimizer":  # lets pickle find the class by name
+        return optimizer_class()
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
