@@ -34,7 +34,7 @@ def test_calls_before_scale_say_to_scale_first(method: str) -> None:
 def test_unscale_twice(setup: tuple) -> None:
     _, opt, scaler = setup
     scaler.unscale_(opt)
-    with pytest.raises(ScalerStateError, match="already been called.*at most once"):
+    with pytest.raises(ScalerStateError, match=r"already been called.*at most once"):
         scaler.unscale_(opt)
 
 
