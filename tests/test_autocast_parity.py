@@ -6,9 +6,9 @@ import threading
 
 import pytest
 import torch
-from autocast_helpers import bitwise_equal, make, step
 
 import mixprec
+from autocast_helpers import bitwise_equal, make, step
 
 LOW = [torch.float16, torch.bfloat16]
 KINDS = ["mlp", "cnn", "transformer"]
