@@ -88,18 +88,6 @@ def test_fp16_grads_are_named_and_nothing_changes(setup: tuple) -> None:
     assert scaler._phases.get(opt).stage is mixprec.OptState.READY
 
 
-def test_closure_is_rejected_clearly(setup: tuple) -> None:
-    _, opt, scaler = setup
-    if getattr(scaler, "_supports_closures", False):
-        pytest.skip("closures are supported (issue 9); their tests live in test_closure.py")
-    for call in (
-        lambda: scaler.step(opt, closure=lambda: 0.0),
-        lambda: scaler.step(opt, lambda: 0.0),
-    ):
-        with pytest.raises(ScalerStateError, match="Closure"):
-            call()
-
-
 def test_pickle_mid_iteration_is_refused(setup: tuple) -> None:
     _, opt, scaler = setup
     scaler.unscale_(opt)
