@@ -89,7 +89,7 @@ def test_policy_table_static_view() -> None:
     assert rows[("module", "norm")].effective == "fp32"
     assert rows[("module", "fc1")].effective == "keep"
     cuda = mixprec.policy_table("cuda", policy)
-    softmax = [r for r in cuda.rows if r.target == "aten::softmax.int"][0]
+    softmax = next(r for r in cuda.rows if r.target == "aten::softmax.int")
     assert (softmax.native, softmax.effective) == ("fp32_set_opt_dtype", "fp32")
     assert str(t).startswith("autocast policy for device_type='cpu'")
 
