@@ -38,29 +38,31 @@ class ScalerSignals(ScalerCore):
         exact = self._mirror.exact
         if exact is None and limit is not None:
             exact = self._mirror.resync(state)
-        if exact is None:
-            return
-        streak = exact.overflow_streak
-        if limit is not None and streak >= limit:
-            raise ScaleCollapseError(
-                self._collapse_text(
-                    f"{streak} consecutive iterations overflowed", exact.scale, records
-                )
-            )
-        if exact.scale < 1.0 and "below_one" not in self._warned:
+        if exact is not None:
+            self._check_collapse(exact.scale, exact.overflow_streak, records)
+
+    def _check_collapse(
+        self, scale: float, streak: int, records: list[OptimizerRecord], may_raise: bool = True
+    ) -> None:
+        limit = self._config.max_consecutive_skips
+        if may_raise and limit is not None and streak >= limit:
+            what = f"{streak} consecutive iterations overflowed"
+            raise ScaleCollapseError(self._collapse_text(what, scale, streak, records))
+        if scale < 1.0 and "below_one" not in self._warned:
             self._warned.add("below_one")
             what = "The loss scale fell below 1: gradients are being scaled down, not up"
-            _warn(self._collapse_text(what, exact.scale, records))
+            _warn(self._collapse_text(what, scale, streak, records))
         if streak >= _SKIP_WARNING and "streak" not in self._warned:
             self._warned.add("streak")
             what = f"{streak} consecutive iterations were skipped"
-            _warn(self._collapse_text(what, exact.scale, records))
+            _warn(self._collapse_text(what, scale, streak, records))
 
-    def _collapse_text(self, what: str, scale: float, records: list[OptimizerRecord]) -> str:
+    def _collapse_text(
+        self, what: str, scale: float, streak: int, records: list[OptimizerRecord]
+    ) -> str:
         optimizers = [r.optimizer() for r in records if r.optimizer is not None]
         alive = [o for o in optimizers if o is not None]
         diagnosis = diagnostics.diagnose_optimizers(alive) if alive else None
-        streak = self._mirror.exact.overflow_streak if self._mirror.exact else 0
         return diagnostics.collapse_message(what, scale, streak, diagnosis)
 
     # ------------------------------------------------------------------ telemetry
@@ -105,6 +107,8 @@ class ScalerSignals(ScalerCore):
     def stats(self) -> ScalerStats:
         """Counters since creation (or since the loaded state dict) and the current scale.
 
+        Emits the collapse warnings (:meth:`update` does where the host follows the scale).
+
         Host sync: one, when the scale lives on an accelerator (the counters stay on the
         device until read).
         """
@@ -121,7 +125,11 @@ class ScalerSignals(ScalerCore):
                 backoffs=p.counters[3],
                 scale=scale,
             )
-        return read_stats(self._state)
+        stats = read_stats(self._state)
+        # Where the host could not follow the scale (fused optimizers off the CPU), this read is
+        # the first chance to notice a collapse.
+        self._check_collapse(stats.scale, stats.consecutive_skips, [], may_raise=False)
+        return stats
 
     def history(self) -> list[HistoryEntry]:
         """The last ``history`` iterations (constructor argument), oldest first.
