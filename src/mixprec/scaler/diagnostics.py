@@ -47,8 +47,10 @@ def low_precision_message(refs: Sequence[ParamRef]) -> str:
         f"{describe_params(refs)}. Unscaling fp16 gradients in place flushes small values to "
         "zero and the optimizer would update fp16 weights, losing small updates. Keep trainable "
         "parameters in float32 (do not call model.half(); autocast runs the ops in fp16 for "
-        "you), or keep fp32 master copies of the fp16 parameters and give those to the "
-        "optimizer. Frozen parameters (requires_grad=False) may stay fp16."
+        "you), or, to train fp16 parameters, wrap the optimizer with "
+        "mixprec.MasterWeights(optimizer) before its first step: it keeps fp32 master copies "
+        "that the scaler unscales and the optimizer updates. Frozen parameters "
+        "(requires_grad=False) may stay fp16."
     )
 
 

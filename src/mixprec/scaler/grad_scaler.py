@@ -26,6 +26,7 @@ from mixprec.kernels.unscale import check_finite_, unscale_grads_
 from mixprec.scaler import diagnostics
 from mixprec.scaler.args import SIGNATURE
 from mixprec.scaler.checks import has_uninitialised_state, validated_new_scale
+from mixprec.scaler.closure import split_closure, step_with_closure
 from mixprec.scaler.phases import OptimizerRecord, OptState
 from mixprec.scaler.rule import ScaleState, to_f32, update_scale_
 from mixprec.scaler.signals import ScalerSignals
@@ -76,6 +77,7 @@ class GradScaler(ScalerSignals):
     """
 
     __signature__ = SIGNATURE
+    _supports_closures = True  # step(optimizer, closure): see mixprec.scaler.closure
 
     # ------------------------------------------------------------------ scale
 
@@ -181,21 +183,25 @@ class GradScaler(ScalerSignals):
         skipped first step does not leave half-created state (torch's fused SGD keeps an
         uninitialised momentum buffer there).
 
+        A closure (``step(optimizer, closure)`` or ``closure=``), which must run
+        ``scaler.scale(loss).backward()``, may be evaluated several times (LBFGS, SAM): each
+        evaluation's gradients are unscaled and checked, the optimizer gets the unscaled loss,
+        and an overflow in any evaluation skips the step and restores the parameters and the
+        optimizer's state (see :mod:`mixprec.scaler.closure`, which also states the memory cost).
+
         Raises:
-            ScalerStateError: no ``scale()`` yet, stepped twice, or a closure was passed.
+            ScalerStateError: no ``scale()`` yet, or stepped twice.
             MissingGradError: none of the optimizer's parameters has a grad (names them).
 
         Host sync: one per call for non-fused optimizers (to decide whether to call
-        ``optimizer.step``); none for fused ones, except on their first step.
+        ``optimizer.step``); none for fused ones, except on their first step; with a closure,
+        one per closure evaluation.
         """
         if not self._enabled:
             return optimizer.step(*args, **kwargs)
-        if "closure" in kwargs or (args and callable(args[0])):
-            raise ScalerStateError(
-                "Closure use is not supported by GradScaler.step yet: the closure would "
-                "recompute scaled gradients that are never unscaled. Compute the loss and "
-                "backward() before step(), or use enabled=False for closure-based optimizers."
-            )
+        call = split_closure(args, kwargs)
+        if call is not None:
+            return step_with_closure(self, optimizer, call)
         self._require_state("step")
         record = self._phases.check_can_step(optimizer)
         if getattr(optimizer, "_step_supports_amp_scaling", False):
