@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import inspect
 from typing import Any
 
 import torch
@@ -9,7 +10,24 @@ import torch
 from mixprec.errors import ConfigError
 from mixprec.scaler.config import FP32_MAX, ScalerConfig
 
-__all__ = ["has_uninitialised_state", "validated_new_scale"]
+__all__ = ["has_uninitialised_state", "takes_grad_scaler", "validated_new_scale"]
+
+# inspect.signature costs tens of microseconds; a step function's parameters never change.
+_TAKES_GRAD_SCALER: dict[Any, bool] = {}
+
+
+def takes_grad_scaler(optimizer: torch.optim.Optimizer) -> bool:
+    """Whether ``optimizer.step`` has a ``grad_scaler`` parameter (torch's legacy fused contract).
+
+    Cached per underlying function, so wrappers that patch ``step`` on an instance (accelerate,
+    LR schedulers) are looked at once each.
+    """
+    step = optimizer.step
+    key = getattr(step, "__func__", step)
+    known = _TAKES_GRAD_SCALER.get(key)
+    if known is None:
+        known = _TAKES_GRAD_SCALER[key] = "grad_scaler" in inspect.signature(step).parameters
+    return known
 
 
 def has_uninitialised_state(optimizer: torch.optim.Optimizer) -> bool:

@@ -7,7 +7,6 @@ each optimizer (``phases``), the host's view of the scale (``telemetry``), state
 
 from __future__ import annotations
 
-import inspect
 import warnings
 import weakref
 from collections.abc import Iterable, Mapping
@@ -25,7 +24,11 @@ from mixprec.kernels.plan import GradPlan, plan_grads
 from mixprec.kernels.unscale import check_finite_, unscale_grads_
 from mixprec.scaler import diagnostics
 from mixprec.scaler.args import SIGNATURE
-from mixprec.scaler.checks import has_uninitialised_state, validated_new_scale
+from mixprec.scaler.checks import (
+    has_uninitialised_state,
+    takes_grad_scaler,
+    validated_new_scale,
+)
 from mixprec.scaler.closure import split_closure, step_with_closure
 from mixprec.scaler.phases import OptimizerRecord, OptState
 from mixprec.scaler.rule import ScaleState, to_f32, update_scale_
@@ -234,7 +237,7 @@ class GradScaler(ScalerSignals):
         args: tuple[Any, ...],
         kwargs: dict[str, Any],
     ) -> Any:
-        if "grad_scaler" in inspect.signature(optimizer.step).parameters:
+        if takes_grad_scaler(optimizer):
             return self._step_legacy_fused(optimizer, record, args, kwargs)
         if record.stage is OptState.READY and self._mirror.scale_may_be_below_one:
             self._unscale_into(optimizer, record)  # the kernel's own division could overflow
