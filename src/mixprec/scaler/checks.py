@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import inspect
+import weakref
 from typing import Any
 
 import torch
@@ -13,7 +14,7 @@ from mixprec.scaler.config import FP32_MAX, ScalerConfig
 __all__ = ["has_uninitialised_state", "takes_grad_scaler", "validated_new_scale"]
 
 # inspect.signature costs tens of microseconds; a step function's parameters never change.
-_TAKES_GRAD_SCALER: dict[Any, bool] = {}
+_TAKES_GRAD_SCALER: weakref.WeakKeyDictionary[Any, bool] = weakref.WeakKeyDictionary()
 
 
 def takes_grad_scaler(optimizer: torch.optim.Optimizer) -> bool:
@@ -24,7 +25,10 @@ def takes_grad_scaler(optimizer: torch.optim.Optimizer) -> bool:
     """
     step = optimizer.step
     key = getattr(step, "__func__", step)
-    known = _TAKES_GRAD_SCALER.get(key)
+    try:
+        known = _TAKES_GRAD_SCALER.get(key)
+    except TypeError:  # not weak-referenceable: look every time
+        return "grad_scaler" in inspect.signature(step).parameters
     if known is None:
         known = _TAKES_GRAD_SCALER[key] = "grad_scaler" in inspect.signature(step).parameters
     return known
