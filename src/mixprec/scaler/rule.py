@@ -59,7 +59,9 @@ class ScaleState:
         )
 
 
-def update_scale_(state: ScaleState, found_inf: torch.Tensor, config: ScalerConfig) -> torch.Tensor:
+def update_scale_(
+    state: ScaleState, found_inf: torch.Tensor, config: ScalerConfig, *, clamp: bool = True
+) -> torch.Tensor:
     """Advance ``state`` by one iteration in place; return the scale it had before (a copy).
 
     Args:
@@ -67,6 +69,8 @@ def update_scale_(state: ScaleState, found_inf: torch.Tensor, config: ScalerConf
         found_inf: 0-d float32 tensor on that device; any non-zero value (NaN included) is an
             overflow.
         config: growth, backoff, interval, bounds and hysteresis.
+        clamp: apply the bounds; the caller may pass False when it knows that the torch rule
+            cannot leave them (no ``max_scale`` and a scale far above the floor).
 
     Host sync: none.
     """
@@ -81,12 +85,12 @@ def update_scale_(state: ScaleState, found_inf: torch.Tensor, config: ScalerConf
             config.backoff_factor,
             config.growth_interval,
         )
-        state.overflow_streak.copy_(torch.where(overflow, state.overflow_streak + 1, 0))
+        state.overflow_streak.add_(1).mul_(overflow)
     else:
         _general_update_(state, overflow, config)
-    state.scale.clamp_(min=config.floor, max=config.max_scale)
-    grew = state.scale > old_scale
-    backed_off = state.scale < old_scale
+    if clamp or not config.is_torch_rule:
+        state.scale.clamp_(min=config.floor, max=config.max_scale)
+    grew, backed_off = state.scale > old_scale, state.scale < old_scale
     state.counters.add_(torch.stack([torch.ones_like(overflow), overflow, grew, backed_off]))
     return old_scale
 
