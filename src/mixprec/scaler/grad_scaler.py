@@ -356,7 +356,9 @@ class GradScaler(ScalerSignals):
         total = found[0].to(state.scale.device, non_blocking=True)
         for other in found[1:]:
             total = total + other.to(state.scale.device, non_blocking=True)
-        used_scale = update_scale_(state, total, self._config)
+        # The floor clamp is needed only when one backoff could take the scale near it.
+        near_floor = self._mirror.lower_bound * self._config.backoff_factor < 4 * self._config.floor
+        used_scale = update_scale_(state, total, self._config, clamp=near_floor)
         skipped = [r.skipped for r in records]
         overflow = None if None in skipped else any(skipped)
         self._mirror.advance(state, overflow, self._config)
