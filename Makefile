@@ -3,6 +3,7 @@ PYTHON ?= python3
 VENV   := .venv
 PY     := $(VENV)/bin/python
 STAMP  := $(VENV)/.installed
+CODE   := $(wildcard src tests benchmarks examples)
 
 .PHONY: venv demo test lint typecheck bench clean
 
@@ -18,8 +19,8 @@ demo: $(STAMP)
 	$(PY) -m mixprec demo
 
 lint: $(STAMP)
-	$(PY) -m ruff check src tests benchmarks examples
-	$(PY) -m ruff format --check src tests benchmarks examples
+	$(PY) -m ruff check $(CODE)
+	$(PY) -m ruff format --check $(CODE)
 
 typecheck: $(STAMP)
 	$(PY) -m mypy
