@@ -35,6 +35,9 @@ _KNOWN_DEVICE_TYPES = (
 )
 
 
+_VALID: set[object] = set()
+
+
 def default_device_type() -> str:
     """Return the device type a region uses when ``device_type`` is ``None``.
 
@@ -89,6 +92,8 @@ def resolve_device_type(device_type: str | torch.device | None) -> str:
     """
     if device_type is None:
         return default_device_type()
+    if isinstance(device_type, str) and device_type in _VALID:  # fast path: validated before
+        return device_type
     if isinstance(device_type, torch.device):
         name = device_type.type
     elif isinstance(device_type, str):
@@ -103,6 +108,8 @@ def resolve_device_type(device_type: str | torch.device | None) -> str:
             f"device_type {device_type!r} has no autocast support in this torch build; "
             f"accepted device types: {', '.join(_accepted_device_types())}"
         )
+    if name == device_type:
+        _VALID.add(name)
     return name
 
 
@@ -123,6 +130,8 @@ def resolve_low_dtype(dtype: object, *, what: str = "dtype") -> torch.dtype:
     """
     if dtype is None:
         return torch.float16
+    if dtype is torch.float16 or dtype is torch.bfloat16:
+        return dtype
     if not isinstance(dtype, torch.dtype):
         raise ConfigError(
             f"{what} must be a torch.dtype, got {type(dtype).__name__} {dtype!r}; "

@@ -72,6 +72,7 @@ def current_module_name() -> str | None:
 _NAMES_ATTR = "_mixprec_names"
 _REC_ATTR = "_mixprec_rule"
 _PREPARED_ATTR = "_mixprec_prepared"
+_NORULE_ATTR = "_mixprec_norule"
 
 
 def _unwrap(module: nn.Module) -> nn.Module:
@@ -117,19 +118,48 @@ def _record(module: nn.Module) -> _Record | None:
     return module.__dict__.get(_REC_ATTR)
 
 
+def _in_checkpoint() -> bool:
+    """Whether this forward may be recomputed by torch.utils.checkpoint: non-reentrant checkpoint
+    runs it under saved-tensor hooks, reentrant checkpoint under no_grad. Under torch.compile the
+    op rules are traced into the graph, whose recomputation needs no hooks."""
+    if torch.compiler.is_compiling():
+        return False
+    if not torch.is_grad_enabled():
+        return True
+    top = getattr(torch._C._autograd, "_top_saved_tensors_default_hooks", None)
+    return top is None or top(False) is not None
+
+
+def _needs_hooks(module: nn.Module, policy: Policy, name: str) -> tuple[bool, Rule | None]:
+    """Whether a module without hooks needs them now, and its module rule (cached negatives)."""
+    want_ops = bool(policy.op_rules) and _in_checkpoint()
+    known = module.__dict__.get(_NORULE_ATTR)
+    if known is not None and known[0] is policy and known[1] == name:
+        return want_ops, None
+    rule = policy.module_rule(module, name)
+    if rule is None and not want_ops:
+        object.__setattr__(module, _NORULE_ATTR, (policy, name))
+    return rule is not None or want_ops, rule
+
+
 def _bind(frame: Frame, module: nn.Module, name: str) -> bool:
-    """Bind ``module`` to the frame's policy; True when its rule hooks were attached just now."""
+    """Bind ``module`` to the frame's policy; True when its rule hooks were attached just now.
+
+    Hooks go on modules with a module rule, and, when the policy has op rules, on modules that
+    may be recomputed by checkpoint (there they re-establish the op rules). Others stay hook-free.
+    """
     policy = frame.policy
     assert policy is not None
     rec = _record(module)
     fresh = False
-    if rec is None or rec.policy is not policy or rec.name != name:
-        rule = policy.module_rule(module, name)
-        if rec is None:
-            if rule is None and not policy.op_rules:
-                return False
-            rec, fresh = _attach(module), True
+    if rec is None:
+        needed, rule = _needs_hooks(module, policy, name)
+        if not needed:
+            return False
+        rec, fresh = _attach(module), True
         rec.policy, rec.name, rec.rule = policy, name, rule
+    elif rec.policy is not policy or rec.name != name:
+        rec.policy, rec.name, rec.rule = policy, name, policy.module_rule(module, name)
     rec.device_type, rec.low, rec.live = frame.device_type, frame.dtype, frame.enabled
     return fresh
 
@@ -140,8 +170,7 @@ def _prepare_tree(root: nn.Module, policy: Policy) -> None:
     if root.__dict__.get(_PREPARED_ATTR) is policy:
         return
     for name, mod in root.named_modules():
-        wanted = bool(policy.op_rules) or policy.module_rule(mod, name) is not None
-        if name and _record(mod) is None and wanted:
+        if name and _record(mod) is None and policy.module_rule(mod, name) is not None:
             _attach(mod)
     object.__setattr__(root, _PREPARED_ATTR, policy)
 
@@ -174,6 +203,7 @@ def detach_hooks(module: nn.Module) -> int:
         rec = mod.__dict__.pop(_REC_ATTR, None)
         mod.__dict__.pop(_PREPARED_ATTR, None)
         mod.__dict__.pop(_NAMES_ATTR, None)
+        mod.__dict__.pop(_NORULE_ATTR, None)
         if rec is not None:
             for handle in rec.handles:
                 handle.remove()

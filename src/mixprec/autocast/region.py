@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import functools
-import threading
 from collections.abc import Callable
 from typing import Any, TypeVar
 
@@ -115,7 +114,9 @@ class autocast:
         self.cache_enabled = cache_enabled
         self.policy = _coerce_policy(policy)
         self.report: DtypeReport | None = DtypeReport() if report else None
-        self._stacks: dict[int, list[_Entered]] = {}
+        # One entry per active ``__enter__`` (re-entrant); like torch.autocast, one instance must
+        # not be entered from two threads at once (the decorator form makes a fresh one per call).
+        self._stack: list[Any] = []
 
     def _native(self) -> torch.autocast:
         cache = self.cache_enabled
@@ -131,10 +132,17 @@ class autocast:
     def __enter__(self) -> autocast:
         native = self._native()
         native.__enter__()
+        if self.policy is None and self.report is None and not TLS.frames:
+            self._stack.append(native)  # the thin path: native autocast and nothing else
+            return self
         entered = _Entered(native)
-        self._stacks.setdefault(threading.get_ident(), []).append(entered)
-        if self.policy is not None or self.report is not None or TLS.frames:
+        self._stack.append(entered)
+        try:
             self._enter_machinery(entered)
+        except BaseException:
+            self._stack.pop()
+            native.__exit__(None, None, None)
+            raise
         return self
 
     def _enter_machinery(self, entered: _Entered) -> None:
@@ -158,13 +166,12 @@ class autocast:
             entered.recorder.__enter__()
 
     def __exit__(self, exc_type: Any, exc: Any, tb: Any) -> None:
-        stack = self._stacks[threading.get_ident()]
-        entered = stack.pop()
-        if not stack:
-            del self._stacks[threading.get_ident()]
+        entered = self._stack.pop()
+        if not isinstance(entered, _Entered):
+            entered.__exit__(exc_type, exc, tb)
+            return
         try:
-            if entered.frame is not None:
-                self._exit_machinery(entered, exc_type is None)
+            self._exit_machinery(entered, exc_type is None)
         finally:
             entered.native.__exit__(exc_type, exc, tb)
 
@@ -212,7 +219,7 @@ class autocast:
     def _clone(self) -> autocast:
         new = autocast.__new__(autocast)
         new.__dict__.update(self.__dict__)
-        new._stacks = {}
+        new._stack = []
         return new
 
     def __repr__(self) -> str:
