@@ -10,7 +10,7 @@ CODE   := $(wildcard src tests benchmarks examples)
 $(STAMP): pyproject.toml constraints.txt
 	$(PYTHON) -m venv $(VENV)
 	$(PY) -m pip install -q --upgrade pip
-	$(PY) -m pip install -q -c constraints.txt -e '.[test,progress,plot]'
+	$(PY) -m pip install -q -c constraints.txt -e '.[test,progress,plot,lightning,accelerate,tensorboard]'
 	touch $(STAMP)
 
 venv: $(STAMP)

@@ -38,6 +38,9 @@ from mixprec.autocast import (
     policy_table,
 )
 
+# --- integrations exports (owned by the integrations work; matplotlib is imported on call) ---
+from mixprec.integrations.plot import plot
+
 __version__ = "0.1.0"
 
 __all__ = [
@@ -65,5 +68,6 @@ __all__ = [
     "autocast",
     "custom_bwd",
     "custom_fwd",
+    "plot",
     "policy_table",
 ]

@@ -7,8 +7,9 @@ when it is missing; ``import mixprec`` never imports any of them.
 * :mod:`mixprec.integrations.lightning`: a precision plugin (``pip install 'mixprec[lightning]'``).
 * :mod:`mixprec.integrations.accelerate`: ``use_mixprec_scaler(accelerator)``
   (``pip install 'mixprec[accelerate]'``).
-* :mod:`mixprec.integrations.tensorboard` and :mod:`mixprec.integrations.logging`: update hooks
-  that write the scale, the skips and the grad norm (``pip install 'mixprec[tensorboard]'``).
+* :class:`LoggingHook` (plain ``logging``) and
+  :class:`~mixprec.integrations.tensorboard.TensorBoardHook`: update hooks that write the scale,
+  the skips and the grad norm (TensorBoard: ``pip install 'mixprec[tensorboard]'``).
 * :mod:`mixprec.integrations.plot`: :func:`mixprec.plot` (``pip install 'mixprec[plot]'``).
 * :mod:`mixprec.integrations.schedulers`: :class:`SkipAwareScheduler`, an LR scheduler that does
   not advance on skipped steps (no extra needed).
@@ -16,6 +17,7 @@ when it is missing; ``import mixprec`` never imports any of them.
 
 from __future__ import annotations
 
+from mixprec.integrations.hooks import LoggingHook, UpdateRecord, WindowedUpdateHook
 from mixprec.integrations.schedulers import SkipAwareScheduler
 
-__all__ = ["SkipAwareScheduler"]
+__all__ = ["LoggingHook", "SkipAwareScheduler", "UpdateRecord", "WindowedUpdateHook"]
