@@ -26,6 +26,7 @@ def _torch_form(
     hysteresis: int = 1,
     max_consecutive_skips: int | None = None,
     history: int = 0,
+    process_group: Any = None,
 ) -> None:
     """Signature only."""
 
@@ -43,6 +44,7 @@ def _seed_form(
     hysteresis: int = 1,
     max_consecutive_skips: int | None = None,
     history: int = 0,
+    process_group: Any = None,
 ) -> None:
     """Signature only."""
 

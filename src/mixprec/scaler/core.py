@@ -13,6 +13,7 @@ from typing import Any
 
 import torch
 
+from mixprec.distributed import DistState, validate_group
 from mixprec.errors import ConfigError, ScalerStateError
 from mixprec.scaler import diagnostics
 from mixprec.scaler.args import bind_constructor_args, parse_device
@@ -37,6 +38,8 @@ class ScalerCore:
         if not isinstance(enabled, bool):
             raise ConfigError(f"enabled must be a bool, got {enabled!r}.")
         device = parse_device(bound.pop("device"))
+        # Not a rule setting: kept out of the config, the state dict and pickles.
+        self._dist = DistState(validate_group(bound.pop("process_group")))
         history = bound.pop("history")
         if isinstance(history, bool) or not isinstance(history, int) or history < 0:
             raise ConfigError(f"history must be an int >= 0 (entries kept), got {history!r}.")
@@ -82,6 +85,7 @@ class ScalerCore:
         return self._state
 
     def _end_iteration(self) -> None:
+        self._dist.end_iteration()
         self._phases.clear()
         self._per_device_cache.clear()
         self._inv_scale = None
@@ -146,6 +150,22 @@ class ScalerCore:
     def is_enabled(self) -> bool:
         """Whether this scaler scales. Host sync: none."""
         return self._enabled
+
+    @property
+    def process_group(self) -> Any:
+        """The group whose ranks agree on every skip (None: no agreement unless the grads are
+        DTensors). Not saved in state dicts or pickles: set it again after unpickling.
+
+        Raises:
+            ConfigError: (setter) not None or a ``torch.distributed.ProcessGroup``.
+
+        Host sync: none.
+        """
+        return self._dist.group
+
+    @process_group.setter
+    def process_group(self, group: Any) -> None:
+        self._dist.group = validate_group(group)
 
     @property
     def config(self) -> ScalerConfig:
@@ -216,6 +236,7 @@ class ScalerCore:
         state.update(_state=None, _pending=values, _per_device_cache={}, _inv_scale=None)
         # Hooks may be lambdas and the skip flags are keyed by object ids of this process.
         state.update(_hooks=OrderedDict(), _step_skips={}, _last_iteration_skip=None)
+        state.update(_dist=DistState())  # process groups do not pickle; set it again
         return state
 
     def __setstate__(self, state: dict[str, Any]) -> None:

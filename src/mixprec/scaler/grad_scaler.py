@@ -65,6 +65,11 @@ class GradScaler(ScalerSignals):
         hysteresis: keyword-only; back off only on the N-th consecutive overflowing iteration.
         max_consecutive_skips: keyword-only; raise :class:`~mixprec.ScaleCollapseError` on the
             N-th consecutive skipped iteration.
+        process_group: keyword-only ``torch.distributed`` group whose ranks must agree on every
+            skip (sharded grads: FSDP1, ZeRO, tensor parallel): one MAX all-reduce of the
+            found-inf flag per optimizer per iteration. Not needed for DDP; detected for
+            DTensor (FSDP2) grads. Not saved in state dicts or pickles. See
+            ``docs/distributed.md``.
 
     Example:
         >>> import torch, mixprec
@@ -150,7 +155,7 @@ class GradScaler(ScalerSignals):
         self._unscale_into(optimizer, record)
 
     def _unscale_into(self, optimizer: _Optimizer, record: OptimizerRecord) -> GradPlan:
-        plan = plan_grads(optimizer)
+        plan, group, agree = self._dist.prepare(plan_grads(optimizer))
         if plan.low_precision:
             raise LowPrecisionGradError(diagnostics.low_precision_message(plan.low_precision))
         unscale_grads_(
@@ -159,6 +164,8 @@ class GradScaler(ScalerSignals):
             record.found_inf_per_device,
             check_output=self._mirror.scale_may_be_below_one,
         )
+        if agree:  # one all-reduce per optimizer per iteration (mixprec.distributed)
+            self._dist.agree_(record.found_inf_per_device, group, self._get_inv_scale().device)
         record.stage = OptState.UNSCALED
         record.missing = plan.missing
         record.optimizer = weakref.ref(optimizer)
@@ -241,11 +248,14 @@ class GradScaler(ScalerSignals):
             return self._step_legacy_fused(optimizer, record, args, kwargs)
         if record.stage is OptState.READY and self._mirror.scale_may_be_below_one:
             self._unscale_into(optimizer, record)  # the kernel's own division could overflow
+        scale_device = self._require_state("step").scale.device
         if record.stage is OptState.READY:
             record.optimizer = weakref.ref(optimizer)
-            plan = plan_grads(optimizer)
+            plan, group, agree = self._dist.prepare(plan_grads(optimizer))
             check_finite_(plan, record.found_inf_per_device)
             record.missing = plan.missing
+            if agree:
+                self._dist.agree_(record.found_inf_per_device, group, scale_device)
         found_inf = self._sum_found_inf(record, optimizer)
         scale = self._require_state("step").scale
         if record.stage is OptState.UNSCALED:

@@ -1,0 +1,314 @@
+"""One rank of the 2-process gloo worlds that tests/test_distributed.py spawns.
+
+Usage: ``python dist_worker.py RANK WORLD_SIZE PORT OUTDIR SCENARIO [SCENARIO ...]``. Each scenario
+writes ``OUTDIR/<scenario>-<rank>.pt`` (a dict of plain values and tensors) that the test reads;
+the test process does all the asserting. Rank 0 also runs the single-process references.
+"""
+
+from __future__ import annotations
+
+import math
+import pickle
+import sys
+import warnings
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+import mixprec
+from mixprec.distributed import JoinableScaler, distributed_clip_grad_norm_
+
+ITERS = 8
+INIT_SCALE = 2.0**10
+GROWTH_INTERVAL = 2
+
+
+def batch(rank: int, it: int, rows: int = 4) -> tuple[torch.Tensor, torch.Tensor]:
+    """The deterministic batch of one rank at one iteration."""
+    gen = torch.Generator().manual_seed(1000 * it + rank)
+    return torch.randn(rows, 8, generator=gen), torch.randn(rows, 1, generator=gen)
+
+
+def full_batch(it: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Both ranks' batches, concatenated: what a single-process run sees."""
+    xs, ys = zip(*(batch(r, it) for r in range(2)), strict=True)
+    return torch.cat(xs), torch.cat(ys)
+
+
+def make_model() -> nn.Sequential:
+    torch.manual_seed(0)
+    return nn.Sequential(nn.Linear(8, 16), nn.Tanh(), nn.Linear(16, 1))
+
+
+def loss_of(model: nn.Module, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+    with torch.autocast("cpu", dtype=torch.float16):
+        out = model(x)
+    return (out.float() - y).pow(2).mean()
+
+
+def poison_(grad: torch.Tensor) -> None:
+    """Put an inf into this rank's (local) part of ``grad``."""
+    local = grad.to_local() if hasattr(grad, "to_local") else grad
+    if local.numel():
+        local.view(-1)[0] = math.inf
+
+
+def train(
+    model: nn.Module,
+    opt: torch.optim.Optimizer,
+    scaler: Any,
+    batches: Callable[[int], tuple[torch.Tensor, torch.Tensor]],
+    poison_at: set[int],
+    iters: range,
+    unscale: bool = False,
+) -> dict[str, Any]:
+    """The training loop every scenario uses; records scale and skip per iteration."""
+    scales, skipped = [], []
+    for it in iters:
+        x, y = batches(it)
+        opt.zero_grad(set_to_none=True)
+        scaler.scale(loss_of(model, x, y)).backward()
+        if it in poison_at:
+            poison_(next(model.parameters()).grad)
+        if unscale:
+            scaler.unscale_(opt)
+        before = steps_taken(opt)
+        scaler.step(opt)
+        scaler.update()
+        skipped.append(steps_taken(opt) == before)
+        scales.append(scaler.get_scale())
+    return {"scales": scales, "skipped": skipped}
+
+
+def steps_taken(opt: torch.optim.Optimizer) -> float:
+    """Adam's step count of the first parameter (0 before the first step), SGD's -param[0]."""
+    param = opt.param_groups[0]["params"][0]
+    if isinstance(opt, torch.optim.SGD):
+        return -float(param.detach().view(-1)[0])
+    step = opt.state.get(param, {}).get("step")
+    if step is None:
+        return 0.0
+    return float(step.full_tensor() if hasattr(step, "full_tensor") else step)
+
+
+def full_params(model: nn.Module) -> list[torch.Tensor]:
+    out = []
+    for p in model.parameters():
+        p = p.full_tensor() if hasattr(p, "full_tensor") else p
+        out.append(p.detach().clone())
+    return out
+
+
+def reference(poison_at: set[int], fused: bool = False) -> dict[str, Any]:
+    """Single process, full batch, ``torch.amp.GradScaler`` (the oracle)."""
+    model = make_model()
+    opt = torch.optim.Adam(model.parameters(), lr=1e-2, fused=fused)
+    scaler = torch.amp.GradScaler("cpu", init_scale=INIT_SCALE, growth_interval=GROWTH_INTERVAL)
+    out = train(model, opt, scaler, full_batch, poison_at, range(ITERS))
+    return {**out, "params": full_params(model)}
+
+
+def scaler_for(group: Any = None) -> mixprec.GradScaler:
+    return mixprec.GradScaler(
+        "cpu", init_scale=INIT_SCALE, growth_interval=GROWTH_INTERVAL, process_group=group
+    )
+
+
+def record(scaler: mixprec.GradScaler, out: dict[str, Any], **extra: Any) -> dict[str, Any]:
+    """What every scenario reports: its trajectory, the scaler's state and collective count."""
+    stats = scaler.stats()
+    return {
+        **out,
+        **extra,
+        "state": scaler.state_dict(),
+        "steps_taken": stats.steps_taken,
+        "steps_skipped": stats.steps_skipped,
+        "collectives": scaler._dist.total_collectives,
+    }
+
+
+# ---------------------------------------------------------------------- scenarios
+
+
+def scenario_ddp(rank: int) -> dict[str, Any]:
+    """DDP, inf on rank 1 only (after the gradient all-reduce) at iterations 2 and 5."""
+    from torch.nn.parallel import DistributedDataParallel as DDP
+
+    model = DDP(make_model())
+    opt = torch.optim.Adam(model.parameters(), lr=1e-2)
+    scaler = scaler_for(dist.group.WORLD)
+    poison = {2, 5} if rank == 1 else set()
+    out = train(model, opt, scaler, lambda it: batch(rank, it), poison, range(ITERS))
+    extra = {"reference": reference({2, 5})} if rank == 0 else {}
+    return record(scaler, out, params=full_params(model.module), **extra)
+
+
+def scenario_fsdp2(rank: int) -> dict[str, Any]:
+    """FSDP2 (fp32 shards, fp16 autocast), no process_group given: the DTensor mesh is used."""
+    from torch.distributed.fsdp import fully_shard
+
+    model = make_model()
+    for layer in (model[0], model[2]):
+        fully_shard(layer)
+    fully_shard(model)
+    opt = torch.optim.Adam(model.parameters(), lr=1e-2)
+    scaler = scaler_for(None)
+    poison = {1, 4} if rank == 0 else set()
+    out = train(model, opt, scaler, lambda it: batch(rank, it), poison, range(ITERS))
+    extra = {"reference": reference({1, 4})} if rank == 0 else {}
+    params = full_params(model)
+    return record(scaler, out, params=params, norms=clip_norms(model), **extra)
+
+
+def full_norm(model: nn.Module, p: float) -> float:
+    """torch's norm of the gathered grads (get_total_norm fails on empty shards for inf)."""
+    grads = [q.grad.full_tensor() for q in model.parameters()]
+    return float(torch.nn.utils.get_total_norm(grads, p))
+
+
+def clip_norms(model: nn.Module) -> dict[str, float]:
+    """distributed_clip_grad_norm_ against torch's norm of the DTensor grads, p=2 and inf."""
+    norms = {}
+    for p in (2.0, math.inf):
+        model.zero_grad()
+        loss_of(model, *batch(dist.get_rank(), 99)).backward()
+        norms[f"torch_{p}"] = full_norm(model, p)
+        max_norm = norms[f"torch_{p}"] / 4
+        norms[f"mixprec_{p}"] = float(distributed_clip_grad_norm_(model.parameters(), max_norm, p))
+        norms[f"after_{p}"] = full_norm(model, p) / max_norm
+    return norms
+
+
+def scenario_fsdp2_fp16_policy(rank: int) -> dict[str, Any]:
+    """FSDP2 with MixedPrecisionPolicy(param_dtype=fp16), fused Adam, explicit unscale_ + clip."""
+    from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
+
+    model = make_model()
+    policy = MixedPrecisionPolicy(param_dtype=torch.float16, reduce_dtype=torch.float32)
+    for layer in (model[0], model[2]):
+        fully_shard(layer, mp_policy=policy)
+    fully_shard(model, mp_policy=policy)
+    opt = torch.optim.Adam(model.parameters(), lr=1e-2, fused=True)
+    scaler = scaler_for(None)
+    poison = {3} if rank == 1 else set()
+    out = train(model, opt, scaler, lambda it: batch(rank, it), poison, range(ITERS), True)
+    return record(scaler, out)
+
+
+def scenario_fused(rank: int) -> dict[str, Any]:
+    """torch's ShardedGradScaler bugs 1 and 2: fused Adam, inf on rank 0 only, per-rank grads."""
+    result = {}
+    for unscale in (False, True):
+        model = make_model()
+        opt = torch.optim.Adam(model.parameters(), lr=1e-2, fused=True)
+        scaler = scaler_for(dist.group.WORLD)
+        poison = {1, 4} if rank == 0 else set()
+        out = train(model, opt, scaler, lambda it: batch(rank, it), poison, range(ITERS), unscale)
+        result["unscale" if unscale else "plain"] = record(scaler, out)
+    return result
+
+
+def scenario_fsdp1(rank: int) -> dict[str, Any]:
+    """FSDP1 with fp16 MixedPrecision and keep_low_precision_grads (fp16 grads, fp32 params)."""
+    from torch.distributed.fsdp import FullyShardedDataParallel as FSDP
+    from torch.distributed.fsdp import MixedPrecision
+
+    policy = MixedPrecision(torch.float16, torch.float16, keep_low_precision_grads=True)
+    model = FSDP(make_model(), device_id=torch.device("cpu"), mixed_precision=policy)
+    opt = torch.optim.SGD(model.parameters(), lr=1e-2)  # Adam rejects fp16 grads of fp32 params
+    scaler = scaler_for(dist.group.WORLD)
+    poison = {2} if rank == 1 else set()
+    out = train(model, opt, scaler, lambda it: batch(rank, it), poison, range(ITERS), True)
+    grad_dtypes = sorted({str(p.grad.dtype) for p in model.parameters() if p.grad is not None})
+    return record(scaler, out, grad_dtypes=grad_dtypes)
+
+
+def scenario_join(rank: int) -> dict[str, Any]:
+    """Uneven inputs: rank 0 has 3 batches, rank 1 has 8, inf on rank 1 at iteration 5."""
+    from torch.distributed.algorithms.join import Join
+    from torch.nn.parallel import DistributedDataParallel as DDP
+
+    model = DDP(make_model())
+    opt = torch.optim.Adam(model.parameters(), lr=1e-2)
+    scaler = scaler_for(dist.group.WORLD)
+    poison = {5} if rank == 1 else set()
+    with Join([model, JoinableScaler(scaler)]):
+        iters = range(3 if rank == 0 else ITERS)
+        out = train(model, opt, scaler, lambda it: batch(rank, it), poison, iters)
+    return record(scaler, out, history_len=scaler.stats().iterations)
+
+
+def _ddp_setup() -> tuple[nn.Module, torch.optim.Optimizer]:
+    from torch.nn.parallel import DistributedDataParallel as DDP
+
+    model = DDP(make_model())
+    return model, torch.optim.Adam(model.parameters(), lr=1e-2)
+
+
+def _ckpt_path(rank: int) -> Path:
+    return OUTDIR / f"ckpt-{rank}.pt"
+
+
+def scenario_ckpt_save(rank: int) -> dict[str, Any]:
+    """DDP; checkpoint after iteration 3 (mid growth interval), then the uninterrupted rest."""
+    model, opt = _ddp_setup()
+    scaler = scaler_for(dist.group.WORLD)
+    poison = {2, 5} if rank == 1 else set()
+    train(model, opt, scaler, lambda it: batch(rank, it), poison, range(4))
+    state = {"model": model.state_dict(), "opt": opt.state_dict(), "scaler": scaler.state_dict()}
+    torch.save(state, _ckpt_path(rank))
+    out = train(model, opt, scaler, lambda it: batch(rank, it), poison, range(4, ITERS))
+    return record(scaler, out, params=full_params(model.module))
+
+
+def scenario_ckpt_resume(rank: int) -> dict[str, Any]:
+    """Fresh processes: load the checkpoint of ckpt_save and run the same iterations."""
+    model, opt = _ddp_setup()
+    scaler = scaler_for(None)
+    state = torch.load(_ckpt_path(rank), weights_only=True)
+    model.load_state_dict(state["model"])
+    opt.load_state_dict(state["opt"])
+    scaler.load_state_dict(state["scaler"])
+    scaler.process_group = dist.group.WORLD  # not part of the checkpoint
+    poison = {2, 5} if rank == 1 else set()
+    out = train(model, opt, scaler, lambda it: batch(rank, it), poison, range(4, ITERS))
+    copy = pickle.loads(pickle.dumps(scaler))
+    same = copy.state_dict() == scaler.state_dict()
+    return record(scaler, out, params=full_params(model.module), pickled=(copy.process_group, same))
+
+
+SCENARIOS: dict[str, Callable[[int], Any]] = {
+    name[len("scenario_") :]: fn for name, fn in globals().items() if name.startswith("scenario_")
+}
+OUTDIR = Path(".")
+
+
+def main(argv: list[str]) -> None:
+    global OUTDIR
+    from datetime import timedelta
+
+    rank, world, port = (int(a) for a in argv[:3])
+    OUTDIR = Path(argv[3])
+    torch.set_num_threads(1)
+    warnings.simplefilter("ignore", UserWarning)  # FSDP's and DTensor's notes about CPU use
+    dist.init_process_group(
+        "gloo",
+        init_method=f"tcp://127.0.0.1:{port}",
+        rank=rank,
+        world_size=world,
+        timeout=timedelta(seconds=30),
+    )
+    try:
+        for name in argv[4:]:
+            torch.save(SCENARIOS[name](rank), OUTDIR / f"{name}-{rank}.pt")
+            dist.barrier()
+    finally:
+        dist.destroy_process_group()
+
+
+if __name__ == "__main__":
+    main(sys.argv[1:])

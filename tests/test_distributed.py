@@ -1,0 +1,191 @@
+"""Every rank agrees: 2-process gloo worlds on 127.0.0.1, spawned here (tests/dist_worker.py).
+
+Each world runs several scenarios to keep the start-up cost (a few seconds per world) low; the
+workers only record, and every assertion is made here. Every world is bounded by a hard timeout
+and its processes are killed in ``finally``, also when a test fails.
+"""
+
+from __future__ import annotations
+
+import math
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+
+import mixprec
+from mixprec.errors import ConfigError
+
+pytestmark = pytest.mark.skipif(
+    not torch.distributed.is_available(), reason="this torch build has no torch.distributed"
+)
+
+WORKER = Path(__file__).with_name("dist_worker.py")
+WORLD = 2
+TIMEOUT_S = 60
+SPAWNED = ["ddp", "fsdp2", "fsdp2_fp16_policy", "fused", "fsdp1", "join", "ckpt_save"]
+
+
+def _free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return int(sock.getsockname()[1])
+
+
+def run_world(outdir: Path, scenarios: list[str]) -> list[dict[str, Any]]:
+    """Run ``scenarios`` in one fresh 2-rank world; per scenario, both ranks' results."""
+    port = _free_port()
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONWARNINGS": "ignore"}
+    procs, logs = [], []
+    try:
+        for rank in range(WORLD):
+            log = open(outdir / f"log-{rank}-{port}.txt", "w")  # noqa: SIM115 (closed below)
+            logs.append(log)
+            args = [sys.executable, str(WORKER), str(rank), str(WORLD), str(port), str(outdir)]
+            procs.append(
+                subprocess.Popen(
+                    [*args, *scenarios],
+                    stdout=log,
+                    stderr=subprocess.STDOUT,
+                    env=env,
+                    start_new_session=True,
+                )
+            )
+        deadline = time.monotonic() + TIMEOUT_S
+        for proc in procs:
+            proc.wait(timeout=max(0.1, deadline - time.monotonic()))
+    except subprocess.TimeoutExpired:
+        pytest.fail(f"the 2-rank world did not finish within {TIMEOUT_S} s: {_tails(outdir)}")
+    finally:
+        for proc in procs:
+            if proc.poll() is None:
+                os.killpg(proc.pid, signal.SIGKILL)
+                proc.wait()
+        for log in logs:
+            log.close()
+    codes = [proc.returncode for proc in procs]
+    assert codes == [0] * WORLD, f"worker exit codes {codes}: {_tails(outdir)}"
+    return [
+        {name: torch.load(outdir / f"{name}-{r}.pt", weights_only=False) for name in scenarios}
+        for r in range(WORLD)
+    ]
+
+
+def _tails(outdir: Path) -> str:
+    return "\n".join(
+        f"--- {p.name}\n{p.read_text()[-3000:]}" for p in sorted(outdir.glob("log-*.txt"))
+    )
+
+
+@pytest.fixture(scope="module")
+def spawned(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, list[dict[str, Any]]]:
+    """One world for every training scenario (DDP, FSDP2, FSDP1, fused, Join, checkpoint)."""
+    outdir = tmp_path_factory.mktemp("world")
+    return outdir, run_world(outdir, SPAWNED)
+
+
+@pytest.fixture
+def world(spawned: tuple[Path, list[dict[str, Any]]]) -> list[dict[str, Any]]:
+    return spawned[1]
+
+
+def _assert_agree(results: list[dict[str, Any]]) -> None:
+    first = results[0]
+    for other in results[1:]:
+        assert other["scales"] == first["scales"]
+        assert other["skipped"] == first["skipped"]
+        assert other["state"] == first["state"]
+        assert other["collectives"] == first["collectives"]
+
+
+def _params_close(got: list[torch.Tensor], want: list[torch.Tensor]) -> None:
+    for g, w in zip(got, want, strict=True):
+        torch.testing.assert_close(g, w, rtol=1e-3, atol=1e-4)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("scenario", ["ddp", "fsdp2"])
+def test_inf_on_one_rank_skips_everywhere_like_single_process(world: list, scenario: str) -> None:
+    ranks = [w[scenario] for w in world]
+    _assert_agree(ranks)
+    reference = ranks[0]["reference"]  # one process, full batch, torch.amp.GradScaler("cpu")
+    assert ranks[0]["scales"] == reference["scales"]
+    assert ranks[0]["skipped"] == reference["skipped"]
+    assert sum(reference["skipped"]) == 2
+    for rank in ranks:
+        _params_close(rank["params"], reference["params"])
+    assert ranks[0]["collectives"] == len(ranks[0]["scales"])  # one all-reduce per iteration
+
+
+@pytest.mark.slow
+def test_distributed_clip_matches_torch_norm_of_dtensor_grads(world: list) -> None:
+    for rank in world:
+        norms = rank["fsdp2"]["norms"]
+        for p in (2.0, math.inf):
+            assert norms[f"mixprec_{p}"] == pytest.approx(norms[f"torch_{p}"], rel=1e-5)
+            assert norms[f"after_{p}"] == pytest.approx(1.0, rel=1e-4)
+    assert world[0]["fsdp2"]["norms"] == world[1]["fsdp2"]["norms"]
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("variant", ["plain", "unscale"])
+def test_fused_adam_inf_on_rank0_only(world: list, variant: str) -> None:
+    """torch's ShardedGradScaler: rank 0 skips, rank 1 steps (plain); crash (explicit unscale_)."""
+    ranks = [w["fused"][variant] for w in world]
+    _assert_agree(ranks)
+    assert [i for i, s in enumerate(ranks[0]["skipped"]) if s] == [1, 4]
+    assert ranks[0]["collectives"] == len(ranks[0]["scales"])
+
+
+@pytest.mark.slow
+def test_fsdp2_fp16_policy_and_fsdp1_low_precision_grads(world: list) -> None:
+    fsdp2 = [w["fsdp2_fp16_policy"] for w in world]
+    _assert_agree(fsdp2)
+    assert [i for i, s in enumerate(fsdp2[0]["skipped"]) if s] == [3]
+    fsdp1 = [w["fsdp1"] for w in world]
+    _assert_agree(fsdp1)
+    assert fsdp1[0]["grad_dtypes"] == ["torch.float16"]  # accepted: their params are fp32
+    assert [i for i, s in enumerate(fsdp1[0]["skipped"]) if s] == [2]
+
+
+@pytest.mark.slow
+def test_join_keeps_scale_and_counters_equal_with_uneven_inputs(world: list) -> None:
+    short, long = (w["join"] for w in world)
+    assert len(short["scales"]) == 3 and len(long["scales"]) == 8
+    assert long["skipped"][5]  # after rank 0 joined: its shadow iteration backs off too
+    assert short["state"] == long["state"]
+    assert short["history_len"] == long["history_len"] == 8
+    assert (short["steps_taken"], short["steps_skipped"]) == (7, 1)
+
+
+@pytest.mark.slow
+def test_checkpoint_saved_on_two_ranks_resumes_identically(spawned: tuple) -> None:
+    """The checkpoint written at iteration 4 of ``ckpt_save``, resumed in a fresh world."""
+    outdir, saved = spawned
+    resumed = run_world(outdir, ["ckpt_resume"])
+    for before, after in zip(saved, resumed, strict=True):
+        b, a = before["ckpt_save"], after["ckpt_resume"]
+        assert a["scales"] == b["scales"] and a["skipped"] == b["skipped"]
+        assert a["state"] == b["state"]
+        for x, y in zip(a["params"], b["params"], strict=True):
+            assert torch.equal(x, y)
+    assert saved[0]["ckpt_save"]["skipped"][1]  # iteration 5 (inf on rank 1) was skipped
+    assert resumed[0]["ckpt_resume"]["pickled"] == (None, True)  # the group is not pickled
+
+
+def test_process_group_is_validated_and_not_saved() -> None:
+    with pytest.raises(ConfigError, match="process_group"):
+        mixprec.GradScaler(process_group="world")
+    with pytest.raises(ConfigError, match="process_group"):
+        mixprec.GradScaler(3.0, process_group=1)  # the seed form takes it too
+    scaler = mixprec.GradScaler()
+    with pytest.raises(ConfigError, match="process_group"):
+        scaler.process_group = "world"
+    assert "process_group" not in scaler.state_dict()
