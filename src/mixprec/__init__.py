@@ -24,6 +24,17 @@ from mixprec.scaler.grad_scaler import GradScaler
 from mixprec.scaler.phases import OptState
 from mixprec.scaler.telemetry import HistoryEntry, ScalerStats, UpdateEvent
 
+# --- closures, master weights, NaN origin (owned by issue 9) ---
+# isort: split
+from mixprec.anomaly import (
+    NonFiniteError,
+    NonFiniteFinder,
+    NonFiniteReport,
+    OverflowRiskWarning,
+    find_nonfinite,
+)
+from mixprec.master import MasterWeights
+
 # --- autocast exports (owned by the autocast work) ---
 # isort: split
 from mixprec.autocast import (
@@ -50,10 +61,15 @@ __all__ = [
     "GradScaler",
     "HistoryEntry",
     "LowPrecisionGradError",
+    "MasterWeights",
     "MissingGradError",
     "MixprecError",
     "MixprecWarning",
+    "NonFiniteError",
+    "NonFiniteFinder",
+    "NonFiniteReport",
     "OptState",
+    "OverflowRiskWarning",
     "Policy",
     "PolicyTable",
     "ReportRow",
@@ -68,6 +84,7 @@ __all__ = [
     "autocast",
     "custom_bwd",
     "custom_fwd",
+    "find_nonfinite",
     "plot",
     "policy_table",
 ]

@@ -1,0 +1,205 @@
+"""MasterWeights: fp16/bf16 trainable parameters with fp32 masters, against torch and fp32 runs."""
+
+from __future__ import annotations
+
+import copy
+import io
+from collections.abc import Callable
+from typing import Any
+
+import pytest
+import torch
+from torch import nn
+from torch.nn import functional as F
+
+import mixprec
+from mixprec import ConfigError, LowPrecisionGradError
+
+torch.manual_seed(0)
+X = torch.randn(32, 8)
+Y = X[:, :2].sum(1, keepdim=True)
+
+
+class PeftLike(nn.Module):
+    """A frozen fp16 base, an fp32 low-rank adapter and one fp16 trainable head."""
+
+    def __init__(self, head_dtype: torch.dtype = torch.float16) -> None:
+        super().__init__()
+        torch.manual_seed(1)
+        self.base = nn.Linear(8, 16).half().requires_grad_(False)
+        self.lora_a = nn.Linear(8, 2, bias=False)
+        self.lora_b = nn.Linear(2, 16, bias=False)
+        self.head = nn.Linear(16, 1).to(head_dtype)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = torch.relu(self.base(x) + self.lora_b(self.lora_a(x)))
+        return self.head(h)
+
+
+def _trainable(model: nn.Module) -> list[tuple[str, nn.Parameter]]:
+    return [(n, p) for n, p in model.named_parameters() if p.requires_grad]
+
+
+def _loss(model: nn.Module, step: int = 0, inject: set[int] = frozenset()) -> torch.Tensor:  # type: ignore[assignment]
+    with torch.autocast("cpu", dtype=torch.float16):
+        loss = F.mse_loss(model(X).float(), Y)
+    return loss * float("inf") if step in inject else loss
+
+
+def _train(
+    model: nn.Module,
+    opt: torch.optim.Optimizer,
+    scaler: Any,
+    steps: int,
+    inject: set[int] = frozenset(),  # type: ignore[assignment]
+) -> list[float]:
+    scales = []
+    for step in range(steps):
+        opt.zero_grad()
+        scaler.scale(_loss(model, step, inject)).backward()
+        scaler.step(opt)
+        scaler.update()
+        scales.append(scaler.get_scale())
+    return scales
+
+
+def test_torch_refuses_fp16_params_and_mixprec_names_them_and_the_fix() -> None:
+    for make_scaler, error, pattern in [
+        (lambda: torch.amp.GradScaler("cpu"), ValueError, "Attempting to unscale FP16 gradients"),
+        (mixprec.GradScaler, LowPrecisionGradError, r"head\.weight, head\.bias.*MasterWeights"),
+    ]:
+        model = PeftLike()
+        opt = torch.optim.AdamW(_trainable(model), lr=1e-2)
+        scaler = make_scaler()
+        scaler.scale(_loss(model)).backward()
+        with pytest.raises(error, match=pattern):
+            scaler.step(opt)
+
+
+def test_peft_like_model_trains_with_master_weights() -> None:
+    model = PeftLike()
+    opt = torch.optim.AdamW(_trainable(model), lr=1e-2)
+    masters = mixprec.MasterWeights(opt)
+    start = _loss(model).item()
+    _train(model, opt, mixprec.GradScaler(), steps=30)
+    assert _loss(model).item() < 0.5 * start
+    assert model.head.weight.dtype == torch.float16 and model.base.weight.dtype == torch.float16
+    assert len(masters.pairs) == 2  # head.weight, head.bias: the fp32 adapter is left alone
+    for low, master in masters.pairs:
+        assert master.dtype == torch.float32
+        assert torch.equal(low, master.half())  # refreshed after every step
+
+
+@pytest.mark.parametrize(
+    "make_opt",
+    [
+        lambda p: torch.optim.SGD(p, lr=0.05, momentum=0.9),
+        lambda p: torch.optim.AdamW(p, lr=1e-2, foreach=True),
+        lambda p: torch.optim.Adam(p, lr=1e-2, fused=True),
+    ],
+    ids=["sgd", "adamw-foreach", "adam-fused"],
+)
+def test_master_weights_match_an_fp32_model_under_the_same_autocast(make_opt: Callable) -> None:
+    """Autocast runs the fp32 head in fp16 too (it casts the weight), so the fp32-parameter run
+    is the reference: the masters must follow it (they do bit for bit on CPU)."""
+    low = PeftLike()
+    ref = copy.deepcopy(low)
+    ref.head.float()
+    low_opt, ref_opt = make_opt(_trainable(low)), make_opt(_trainable(ref))
+    masters = mixprec.MasterWeights(low_opt)
+    inject = {2, 3}
+    low_scales = _train(low, low_opt, mixprec.GradScaler(growth_interval=2), 8, inject)
+    ref_scales = _train(ref, ref_opt, mixprec.GradScaler(growth_interval=2), 8, inject)
+    assert low_scales == ref_scales
+    for (_, master), p in zip(masters.pairs, [ref.head.weight, ref.head.bias], strict=True):
+        assert torch.equal(master, p)
+    torch.testing.assert_close(low.lora_a.weight, ref.lora_a.weight, rtol=1e-6, atol=1e-7)
+
+
+def test_master_weights_with_torch_scaler_and_mixprec_scaler_are_bit_identical() -> None:
+    runs = []
+    for make_scaler in (lambda: torch.amp.GradScaler("cpu", growth_interval=2), mixprec.GradScaler):
+        model = PeftLike()
+        opt = torch.optim.Adam(_trainable(model), lr=1e-2)
+        mixprec.MasterWeights(opt)
+        scaler = make_scaler()
+        if isinstance(scaler, mixprec.GradScaler):
+            scaler.set_growth_interval(2)
+        scales = _train(model, opt, scaler, 6, inject={1})
+        runs.append((scales, [p.detach().clone() for p in model.parameters()]))
+    assert runs[0][0] == runs[1][0]
+    for a, b in zip(runs[0][1], runs[1][1], strict=True):
+        assert torch.equal(a, b)
+
+
+def test_grads_accumulate_in_fp32_and_low_precision_grads_are_freed() -> None:
+    model = PeftLike(head_dtype=torch.bfloat16)
+    opt = torch.optim.SGD(_trainable(model), lr=0.1)
+    masters = mixprec.MasterWeights(opt)
+    grads = []
+    for _ in range(2):
+        ref = copy.deepcopy(model.head).float()
+        out = ref(torch.ones(4, 16)).sum()
+        grads.append(torch.autograd.grad(out, ref.weight)[0])
+        model.head(torch.ones(4, 16, dtype=torch.bfloat16)).float().sum().backward()
+    assert model.head.weight.grad is None and model.head.bias.grad is None
+    master_w = masters.pairs[0][1]
+    assert master_w.grad is not None and master_w.grad.dtype == torch.float32
+    torch.testing.assert_close(master_w.grad, grads[0] + grads[1])
+    assert masters.overhead_bytes() == (16 + 1) * (8 - 2)
+    opt.zero_grad()
+    assert master_w.grad is None
+
+
+def test_state_dict_round_trips_masters_and_optimizer_state() -> None:
+    model = PeftLike()
+    opt = torch.optim.Adam(_trainable(model), lr=1e-2)
+    mixprec.MasterWeights(opt)
+    scaler = mixprec.GradScaler()
+    _train(model, opt, scaler, 3)
+    buffer = io.BytesIO()
+    torch.save(
+        {"model": model.state_dict(), "opt": opt.state_dict(), "scaler": scaler.state_dict()},
+        buffer,
+    )
+    assert "mixprec_master_weights" in opt.state_dict()
+    # continue the original, and a fresh copy loaded from the checkpoint
+    _train(model, opt, scaler, 2)
+    buffer.seek(0)
+    checkpoint = torch.load(buffer)
+    model2 = PeftLike()
+    opt2 = torch.optim.Adam(_trainable(model2), lr=1e-2)
+    masters2 = mixprec.MasterWeights(opt2)
+    model2.load_state_dict(checkpoint["model"])
+    opt2.load_state_dict(checkpoint["opt"])
+    scaler2 = mixprec.GradScaler()
+    scaler2.load_state_dict(checkpoint["scaler"])
+    _train(model2, opt2, scaler2, 2)
+    for a, b in zip(model.parameters(), model2.parameters(), strict=True):
+        assert torch.equal(a, b)
+    for (_, m1), (_, m2) in zip(
+        opt._mixprec_master_weights.pairs,  # type: ignore[attr-defined]
+        masters2.pairs,
+        strict=True,
+    ):
+        assert torch.equal(m1, m2)
+
+
+def test_a_checkpoint_without_masters_reseeds_them_from_the_model() -> None:
+    model = PeftLike()
+    opt = torch.optim.SGD(_trainable(model), lr=0.1)
+    masters = mixprec.MasterWeights(opt)
+    plain = torch.optim.SGD(_trainable(PeftLike()), lr=0.1).state_dict()
+    with torch.no_grad():
+        model.head.weight.fill_(0.5)
+    opt.load_state_dict(plain)
+    assert torch.equal(masters.pairs[0][1], torch.full((1, 16), 0.5))
+
+
+def test_wrapping_twice_or_a_non_optimizer_is_refused() -> None:
+    opt = torch.optim.SGD(_trainable(PeftLike()), lr=0.1)
+    mixprec.MasterWeights(opt)
+    with pytest.raises(ConfigError, match="only once"):
+        mixprec.MasterWeights(opt)
+    with pytest.raises(ConfigError, match="Optimizer"):
+        mixprec.MasterWeights([torch.zeros(1)])  # type: ignore[arg-type]
