@@ -1,0 +1,87 @@
+"""The demo's figure: loss curves of the three runs, and the scale with skipped steps marked."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+from mixprec.cli._task import RunResult
+
+__all__ = ["PlotUnavailable", "write_figure"]
+
+_COLORS = {"float32": "tab:blue", "unscaled": "tab:red", "scaled": "tab:green"}
+
+
+class PlotUnavailable(RuntimeError):
+    """matplotlib is not installed (the ``[plot]`` extra)."""
+
+
+def _smooth(values: list[float], window: int) -> list[float]:
+    out, acc = [], 0.0
+    for i, v in enumerate(values):
+        acc += v
+        if i >= window:
+            acc -= values[i - window]
+        out.append(acc / min(i + 1, window))
+    return out
+
+
+def _color(r: RunResult) -> str:
+    return _COLORS["scaled" if r.scaled else "float32" if r.dtype == "float32" else "unscaled"]
+
+
+def write_figure(results: list[RunResult], path: Path) -> Path:
+    """Draw the figure into ``path`` (PNG, Agg backend) and return it.
+
+    Raises:
+        PlotUnavailable: matplotlib is missing.
+    """
+    try:
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError as exc:
+        raise PlotUnavailable(
+            "matplotlib is not installed, so no figure was drawn; install it with "
+            "`pip install 'mixprec[plot]'`."
+        ) from exc
+    fig, (ax_loss, ax_scale) = plt.subplots(
+        2, 1, figsize=(9, 7), sharex=True, gridspec_kw={"height_ratios": [3, 2]}
+    )
+    window = max(1, len(results[0].losses) // 30)
+    for r in results:
+        steps = range(len(r.losses))
+        ax_loss.plot(steps, r.losses, color=_color(r), alpha=0.2, linewidth=0.8)
+        ax_loss.plot(steps, _smooth(r.losses, window), color=_color(r), label=r.name)
+    ax_loss.set_yscale("log")
+    ax_loss.set_ylabel("training loss (MSE)")
+    ax_loss.set_title("Same model, data and seed: float32, low precision, low precision + scaler")
+    ax_loss.legend()
+    ax_loss.grid(True, which="both", alpha=0.3)
+    _draw_scale(ax_scale, [r for r in results if r.scaled])
+    fig.tight_layout()
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fig.savefig(path, dpi=100)
+    plt.close(fig)
+    return path
+
+
+def _draw_scale(ax: Any, scaled: list[RunResult]) -> None:
+    for r in scaled:
+        steps = range(len(r.scales))
+        ax.step(steps, r.scales, where="post", color=_color(r), label=f"{r.name}: loss scale")
+        skipped = [s for s in r.skipped_steps if s < len(r.scales)]
+        ax.scatter(
+            skipped,
+            [r.scales[s] for s in skipped],
+            marker="x",
+            color="black",
+            zorder=3,
+            label=f"skipped step ({len(skipped)})",
+        )
+    ax.set_yscale("log", base=2)
+    ax.set_xlabel("step")
+    ax.set_ylabel("loss scale")
+    ax.legend(loc="lower right")
+    ax.grid(True, which="both", alpha=0.3)
