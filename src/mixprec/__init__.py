@@ -17,6 +17,10 @@ from mixprec.errors import (
     ScalerStateError,
 )
 
+# --- kernel exports (owned by the clipping/flat-storage work) ---
+from mixprec.kernels.clip import NonFiniteNormError
+from mixprec.kernels.flat import FlatGrads, flatten_grads
+
 # --- scaler exports (owned by the scaler work) ---
 from mixprec.scaler.config import ScalerConfig
 from mixprec.scaler.diagnostics import Diagnosis
@@ -52,14 +56,21 @@ from mixprec.autocast import (
 # --- integrations exports (owned by the integrations work; matplotlib is imported on call) ---
 from mixprec.integrations.plot import plot
 
+# --- distributed exports (owned by the distributed work) ---
+# isort: split
+from mixprec import distributed
+from mixprec.distributed import JoinableScaler, distributed_clip_grad_norm_
+
 __version__ = "0.1.0"
 
 __all__ = [
     "ConfigError",
     "Diagnosis",
     "DtypeReport",
+    "FlatGrads",
     "GradScaler",
     "HistoryEntry",
+    "JoinableScaler",
     "LowPrecisionGradError",
     "MasterWeights",
     "MissingGradError",
@@ -67,6 +78,7 @@ __all__ = [
     "MixprecWarning",
     "NonFiniteError",
     "NonFiniteFinder",
+    "NonFiniteNormError",
     "NonFiniteReport",
     "OptState",
     "OverflowRiskWarning",
@@ -84,7 +96,10 @@ __all__ = [
     "autocast",
     "custom_bwd",
     "custom_fwd",
+    "distributed",
+    "distributed_clip_grad_norm_",
     "find_nonfinite",
+    "flatten_grads",
     "plot",
     "policy_table",
 ]

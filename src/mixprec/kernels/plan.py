@@ -1,15 +1,30 @@
-"""Gradients of an optimizer, grouped by (device, dtype) for one kernel launch per group."""
+"""Gradients of an optimizer, grouped by (device, dtype) for one kernel launch per group.
+
+Planning runs on every ``unscale_``/``step``/``clip_grad_norm_``, so it is kept cheap: the common
+case (every grad present, dense, of one device and dtype) is recognised with C-level ``map`` calls
+and no per-parameter Python loop. Groups whose grads tile one contiguous range of a shared buffer
+get a flat 1-D view (:func:`mixprec.kernels.flat.flat_view`). When *every* group is flat, the
+plan is cached per optimizer and revalidated on each call from the grads' identities, addresses
+and sizes (three ``map`` passes): such grads are views of a long-lived buffer, so holding them
+costs no memory. Other plans are never cached, so that ``zero_grad(set_to_none=True)`` frees the
+grads as users expect.
+"""
 
 from __future__ import annotations
 
-from collections.abc import Iterator
+import itertools
+import operator
+import weakref
+from collections.abc import Iterator, Sequence
 from dataclasses import dataclass, field
+from typing import cast
 
 import torch
 
 from mixprec.errors import ConfigError
+from mixprec.kernels.flat import flat_view
 
-__all__ = ["GradPlan", "ParamRef", "iter_params", "plan_grads"]
+__all__ = ["GradPlan", "ParamRef", "clear_plan_cache", "iter_params", "plan_grads"]
 
 GroupKey = tuple[torch.device, torch.dtype]
 
@@ -40,12 +55,21 @@ class GradPlan:
         sparse: parameters with a sparse grad (their values join ``dense`` at unscale time).
         low_precision: parameters whose dense grad is float16.
         missing: parameters without a grad.
+        flat: for the dense groups whose grads tile one contiguous range, a 1-D view of it.
     """
 
     dense: dict[GroupKey, list[torch.Tensor]] = field(default_factory=dict)
     sparse: list[ParamRef] = field(default_factory=list)
     low_precision: list[ParamRef] = field(default_factory=list)
     missing: list[ParamRef] = field(default_factory=list)
+    flat: dict[GroupKey, torch.Tensor] = field(default_factory=dict)
+
+    def kernel_groups(self) -> dict[GroupKey, list[torch.Tensor]]:
+        """The dense groups as the kernels should see them: ``[flat view]`` where there is one."""
+        return {
+            key: [self.flat[key]] if key in self.flat else grads
+            for key, grads in self.dense.items()
+        }
 
     @property
     def devices(self) -> set[torch.device]:
@@ -80,10 +104,95 @@ def iter_params(optimizer: torch.optim.Optimizer) -> Iterator[ParamRef]:
 
 
 def plan_grads(optimizer: torch.optim.Optimizer) -> GradPlan:
-    """Group the optimizer's grads by (device, dtype).
+    """Group the optimizer's grads by (device, dtype) and find the flat groups.
 
     Host sync: none.
     """
+    grads = _current_grads(optimizer)
+    cached = _CACHE.get(optimizer)
+    if cached is not None and grads is not None and cached.matches(grads):
+        return cached.plan
+    plan = _build_plan(optimizer, grads)
+    for key, group in plan.dense.items():
+        view = flat_view(group)
+        if view is not None:
+            plan.flat[key] = view
+    if grads is not None and _cacheable(plan):  # no grad is None then
+        _CACHE[optimizer] = _CachedPlan(cast("list[torch.Tensor]", grads), plan)
+    else:
+        _CACHE.pop(optimizer, None)
+    return plan
+
+
+def clear_plan_cache(optimizer: torch.optim.Optimizer | None = None) -> None:
+    """Forget the cached plan of ``optimizer`` (of every optimizer when None).
+
+    Host sync: none.
+    """
+    if optimizer is None:
+        _CACHE.clear()
+    else:
+        _CACHE.pop(optimizer, None)
+
+
+class _CachedPlan:
+    """A plan whose every group is flat, with the key that says it still applies."""
+
+    def __init__(self, grads: list[torch.Tensor], plan: GradPlan) -> None:
+        self.grads = grads
+        self.ptrs = list(map(torch.Tensor.data_ptr, grads))
+        self.numels = list(map(torch.Tensor.numel, grads))
+        self.plan = plan
+
+    def matches(self, grads: Sequence[torch.Tensor | None]) -> bool:
+        # Same tensor objects, still at the same addresses with the same sizes. Checking
+        # identity first makes data_ptr/numel safe to call (no None left).
+        return (
+            len(grads) == len(self.grads)
+            and all(map(operator.is_, grads, self.grads))
+            and list(map(torch.Tensor.data_ptr, self.grads)) == self.ptrs
+            and list(map(torch.Tensor.numel, self.grads)) == self.numels
+        )
+
+
+_CACHE: weakref.WeakKeyDictionary[torch.optim.Optimizer, _CachedPlan] = weakref.WeakKeyDictionary()
+
+
+def _cacheable(plan: GradPlan) -> bool:
+    return (
+        not plan.missing
+        and not plan.sparse
+        and bool(plan.dense)
+        and plan.flat.keys() == plan.dense.keys()
+    )
+
+
+def _current_grads(optimizer: torch.optim.Optimizer) -> list[torch.Tensor | None] | None:
+    """Every param's grad, in order; None when a ``params`` entry is not a tensor."""
+    try:
+        return [p.grad for group in optimizer.param_groups for p in group["params"]]
+    except AttributeError:
+        return None
+
+
+def _build_plan(optimizer: torch.optim.Optimizer, grads: list | None) -> GradPlan:
+    """The plan, without a per-parameter Python loop when every grad is dense and alike."""
+    if grads:
+        get = operator.attrgetter
+        # ``None in grads`` would call Tensor.__eq__ on every grad (slow): compare identities.
+        present = all(map(operator.is_not, grads, itertools.repeat(None)))
+        if present and not any(map(get("is_sparse"), grads)):
+            keys = set(zip(map(get("device"), grads), map(get("dtype"), grads), strict=True))
+            if len(keys) == 1:
+                key = keys.pop()
+                plan = GradPlan(dense={key: grads})
+                if key[1] == torch.float16:
+                    plan.low_precision = list(iter_params(optimizer))
+                return plan
+    return _build_plan_slow(optimizer)
+
+
+def _build_plan_slow(optimizer: torch.optim.Optimizer) -> GradPlan:
     plan = GradPlan()
     for ref in iter_params(optimizer):
         grad = ref.param.grad

@@ -29,6 +29,7 @@ from mixprec.scaler.checks import (
     takes_grad_scaler,
     validated_new_scale,
 )
+from mixprec.scaler.clipping import ClippingMixin
 from mixprec.scaler.closure import split_closure, step_with_closure
 from mixprec.scaler.phases import OptimizerRecord, OptState
 from mixprec.scaler.rule import ScaleState, to_f32, update_scale_
@@ -42,7 +43,7 @@ __all__ = ["GradScaler"]
 _Optimizer = torch.optim.Optimizer
 
 
-class GradScaler(ScalerSignals):
+class GradScaler(ClippingMixin, ScalerSignals):
     """Dynamic loss scaling, a drop-in for ``torch.amp.GradScaler`` on every device.
 
     Both call forms work: torch 2's ``GradScaler("cuda", init_scale, growth_factor,
