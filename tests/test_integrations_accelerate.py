@@ -154,3 +154,24 @@ def test_helper_refuses_misuse() -> None:
     AcceleratorState._reset_state(True)
     with pytest.raises(ConfigError, match="bf16 needs no loss scaling"):
         use_mixprec_scaler(accelerate.Accelerator(mixed_precision="bf16", cpu=True))
+
+
+def test_fsdp1_needs_a_scaler_with_a_process_group() -> None:
+    import socket
+
+    import torch.distributed as dist
+    from accelerate.utils import DistributedType
+
+    acc = accelerate.Accelerator(mixed_precision="fp16", cpu=True)
+    acc.state.distributed_type = DistributedType.FSDP  # what an FSDP1 launch sets
+    with pytest.raises(ConfigError, match=r"process_group=torch\.distributed\.group\.WORLD"):
+        use_mixprec_scaler(acc)
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        port = sock.getsockname()[1]
+    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=0, world_size=1)
+    try:
+        scaler = mixprec.GradScaler(process_group=dist.group.WORLD)
+        assert use_mixprec_scaler(acc, scaler) is scaler
+    finally:
+        dist.destroy_process_group()

@@ -26,13 +26,10 @@ from mixprec.scaler.grad_scaler import GradScaler
 __all__ = ["use_mixprec_scaler"]
 
 _PURPOSE = "mixprec.integrations.accelerate"
-# Engines that scale the loss themselves, and FSDP1, whose gradient shards are plain tensors
-# that mixprec's scaler does not reduce across ranks (every rank must agree on a skip).
+# Engines that scale the loss themselves.
 _UNSUPPORTED = {
     "DEEPSPEED": "DeepSpeed scales the loss itself; configure its fp16 section instead.",
     "MEGATRON_LM": "Megatron-LM scales the loss itself.",
-    "FSDP": "FSDP1 needs a scaler that agrees on overflow across ranks: keep accelerate's "
-    "ShardedGradScaler (no helper) or use FSDP2 (fsdp_version=2).",
 }
 
 
@@ -54,8 +51,9 @@ def use_mixprec_scaler(accelerator: Any, scaler: GradScaler | None = None) -> Gr
         The scaler now in use (also ``accelerator.scaler``).
 
     Raises:
-        ConfigError: ``mixed_precision`` is not ``"fp16"``, or a distributed engine that scales
-            on its own (DeepSpeed, Megatron-LM) or FSDP1.
+        ConfigError: ``mixed_precision`` is not ``"fp16"``, a distributed engine that scales
+            on its own (DeepSpeed, Megatron-LM), or FSDP1 with a scaler without
+            ``process_group``.
         ScalerStateError: an optimizer was already prepared.
 
     Example:
@@ -71,6 +69,7 @@ def use_mixprec_scaler(accelerator: Any, scaler: GradScaler | None = None) -> Gr
     if scaler is None:
         handler = getattr(accelerator, "scaler_handler", None)
         scaler = GradScaler(**(handler.to_kwargs() if handler is not None else {}))
+    _check_sharding(accelerator, scaler)
     accelerator.scaler = scaler
     accelerator.native_amp = True
     _patch_prepare_optimizer(accelerator)
@@ -94,6 +93,21 @@ def _check_accelerator(accelerator: Any) -> None:
             f"use_mixprec_scaler was called after prepare(): {len(accelerator._optimizers)} "
             "optimizer(s) already hold accelerate's scaler. Call it right after "
             "Accelerator(...), before accelerator.prepare(...)."
+        )
+
+
+def _check_sharding(accelerator: Any, scaler: GradScaler) -> None:
+    """FSDP1 shards gradients as plain tensors: the ranks agree on a skip only through the
+    scaler's process group (FSDP2's DTensor gradients bring their own)."""
+    fsdp1 = getattr(accelerator.distributed_type, "name", "") == "FSDP" and not getattr(
+        accelerator, "is_fsdp2", False
+    )
+    if fsdp1 and getattr(scaler, "process_group", None) is None:
+        raise ConfigError(
+            "use_mixprec_scaler with FSDP1: every rank holds a different shard of the "
+            "gradients, so the ranks must agree on each skip. Pass a scaler that all-reduces "
+            "its overflow flag: use_mixprec_scaler(accelerator, mixprec.GradScaler("
+            "process_group=torch.distributed.group.WORLD))."
         )
 
 

@@ -185,9 +185,9 @@ def fsdp_precision(
     ``FSDPPrecision(precision, scaler=...)`` raises for every scaler in Lightning 2.6 (the check
     reads ``self.precision`` before assigning it), and its default ``ShardedGradScaler()`` is a
     CUDA scaler that disables itself without CUDA. This builds the plugin without a scaler and
-    assigns ``scaler`` afterwards. Under FSDP the gradients are shards: the scaler must agree on
-    overflow across ranks. ``ShardedGradScaler(device=...)`` does; mixprec's GradScaler does not
-    all-reduce plain-tensor shards yet, so pass a ShardedGradScaler for Lightning's FSDP (FSDP1).
+    assigns ``scaler`` afterwards. Under FSDP the gradients are shards: the ranks must agree on
+    each skip. ``ShardedGradScaler(device=...)`` does, and so does
+    ``mixprec.GradScaler(process_group=group)``; a mixprec scaler without a group does not.
 
     Raises:
         ConfigError: ``precision`` is not ``"16-mixed"`` or ``scaler`` is None.
