@@ -151,6 +151,8 @@ def test_fsdp2_fp16_policy_and_fsdp1_low_precision_grads(world: list) -> None:
     assert [i for i, s in enumerate(fsdp2[0]["skipped"]) if s] == [3]
     fsdp1 = [w["fsdp1"] for w in world]
     _assert_agree(fsdp1)
+    for ranks in (fsdp2, fsdp1):  # one all-reduce per iteration, also with unscale_ + fused
+        assert ranks[0]["collectives"] == len(ranks[0]["scales"])
     assert fsdp1[0]["grad_dtypes"] == ["torch.float16"]  # accepted: their params are fp32
     assert [i for i, s in enumerate(fsdp1[0]["skipped"]) if s] == [2]
 

@@ -118,9 +118,12 @@ def agree_found_inf_(found_inf: torch.Tensor, group: Any = None) -> torch.Tensor
         ConfigError: ``found_inf`` is not 0-d (torch's fused optimizers need shape ``()``).
 
     Example:
-        >>> import torch
+        >>> import torch, torch.distributed as dist
         >>> from mixprec.distributed import agree_found_inf_
-        >>> found_inf = torch.zeros(())  # doc: needs torch.distributed.init_process_group first
+        >>> dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
+        >>> agree_found_inf_(torch.ones(()))  # the max over every rank's flag
+        tensor(1.)
+        >>> dist.destroy_process_group()
 
     Host sync: none on a backend that reduces on the tensor's device (NCCL on CUDA, gloo on
     CPU); a device-to-host copy when the tensor lives elsewhere (CUDA tensor, gloo group).
@@ -146,6 +149,14 @@ def all_reduce_norm_(local_norm: torch.Tensor, norm_type: float, group: Any = No
     One all-reduce: ``SUM`` of ``local_norm ** p`` then the ``p``-th root, or ``MAX`` for
     ``norm_type=inf``. A non-finite local norm makes the global one non-finite on every rank, so
     the result doubles as the found-inf agreement of a fused unscale+clip.
+
+    Example:
+        >>> import torch, torch.distributed as dist
+        >>> from mixprec.distributed import all_reduce_norm_
+        >>> dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
+        >>> all_reduce_norm_(torch.tensor(3.0), 2.0)  # sqrt of the sum of 3**2 over ranks
+        tensor(3.)
+        >>> dist.destroy_process_group()
 
     Args:
         local_norm: 0-d tensor, the norm of this rank's shards (0 for an empty shard).
@@ -196,6 +207,16 @@ def distributed_clip_grad_norm_(
 
     Returns:
         The global norm, a 0-d float32 tensor, equal on every rank.
+
+    Example:
+        >>> import torch, torch.distributed as dist
+        >>> from mixprec.distributed import distributed_clip_grad_norm_
+        >>> dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
+        >>> param = torch.nn.Parameter(torch.ones(4))
+        >>> param.grad = torch.full((4,), 2.0)
+        >>> distributed_clip_grad_norm_([param], max_norm=1.0)
+        tensor(4.)
+        >>> dist.destroy_process_group()
 
     Host sync: as :func:`agree_found_inf_`.
     """
@@ -338,7 +359,9 @@ class JoinableScaler(Joinable):
     ``update()`` with the agreed flag, so scale, growth counter and counters stay identical on
     every rank. The scaler must have been built with ``process_group=`` the join's group (DDP's,
     usually ``torch.distributed.group.WORLD``). List the model first: the first joinable signals
-    the context each iteration, before its own collectives.
+    the context each iteration, before its own collectives. A shadow iteration issues as many
+    all-reduces as the joined rank's last real iteration did (one per optimizer), so every
+    iteration must step the same optimizers.
 
     Args:
         scaler: the :class:`~mixprec.GradScaler` (enabled, with a process group).
@@ -347,11 +370,13 @@ class JoinableScaler(Joinable):
         ConfigError: the scaler has no ``process_group``.
 
     Example:
-        >>> import torch, mixprec
+        >>> import torch.distributed as dist, mixprec
         >>> from mixprec.distributed import JoinableScaler
-        >>> scaler = mixprec.GradScaler()  # doc: with process_group=... in a real run
-        >>> callable(JoinableScaler)
+        >>> dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
+        >>> scaler = mixprec.GradScaler(process_group=dist.group.WORLD)
+        >>> JoinableScaler(scaler).join_process_group is dist.group.WORLD
         True
+        >>> dist.destroy_process_group()
 
     Host sync: none at construction; a joined rank reads each shadow iteration's flag.
     """
