@@ -45,6 +45,11 @@ def verdict(results: list[RunResult]) -> str:
         f"With mixprec.GradScaler, {100 * (scaled.flushed_fraction or 0):.1f}% flushed "
         f"(R² {scaled.r2:.3f}); {_skips(scaled)}",
     ]
+    if low.dtype == "bfloat16":
+        lines.append(
+            "bfloat16 has float32's exponent range, so small gradients do not underflow and "
+            "loss scaling is not needed (a power-of-two scale changes nothing)."
+        )
     if scaled.injected_inf_at is not None:
         lines.append(f"An inf was injected into a gradient at step {scaled.injected_inf_at}.")
     return "\n".join(lines)
