@@ -177,3 +177,12 @@ def test_plugin_rejects_bf16_and_unknown_packages() -> None:
         MixprecPrecision("bf16-mixed", "cpu")
     with pytest.raises(ConfigError, match="package must be one of"):
         plugin_class("lightning_fabric")
+
+
+def test_plugin_applies_a_mixprec_policy_inside_training_step(tmp_path: Path) -> None:
+    # Module names are relative to the outermost module called in the step: self.net.
+    policy = mixprec.Policy(modules={"2": "fp32"})
+    _, with_policy = fit(MixprecPrecision("16-mixed", "cpu", policy=policy), 1, tmp_path)
+    _, plain = fit(MixprecPrecision("16-mixed", "cpu"), 1, tmp_path)
+    assert set(with_policy.out_dtypes) == {torch.float32}  # the last Linear ran in fp32
+    assert set(plain.out_dtypes) == {torch.float16}

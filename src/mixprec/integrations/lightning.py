@@ -27,6 +27,7 @@ from typing import Any
 
 import torch
 
+from mixprec.autocast import Policy, autocast
 from mixprec.errors import ConfigError
 from mixprec.integrations._deps import require
 from mixprec.integrations.schedulers import SkipAwareScheduler
@@ -106,6 +107,9 @@ def _build_plugin_class(package: str) -> type:
             scaler: the scaler (default: ``mixprec.GradScaler()``).
             skip_aware_schedulers: wrap ``interval="step"`` LR schedulers so that they do not
                 advance after a skipped step (see :func:`wrap_step_schedulers`).
+            policy: a :class:`mixprec.Policy` (or its string form) applied by the autocast
+                region around ``training_step`` & co.; module names are relative to the
+                outermost module called in the step (e.g. ``self.net``). None: plain autocast.
 
         Raises:
             ConfigError: ``precision`` is not ``"16-mixed"``.
@@ -124,6 +128,7 @@ def _build_plugin_class(package: str) -> type:
             scaler: GradScaler | None = None,
             *,
             skip_aware_schedulers: bool = True,
+            policy: Policy | str | None = None,
         ) -> None:
             if precision != "16-mixed":
                 raise ConfigError(
@@ -132,6 +137,15 @@ def _build_plugin_class(package: str) -> type:
                 )
             super().__init__(precision, device, scaler=scaler or GradScaler())
             self.skip_aware_schedulers = skip_aware_schedulers
+            self.policy = policy
+
+        def autocast_context_manager(self) -> Any:
+            """The fp16 region Lightning enters around each step: ``mixprec.autocast`` with
+            this plugin's policy (Lightning's own settings: no weight cache).
+
+            Host sync: none.
+            """
+            return autocast(self.device, torch.float16, cache_enabled=False, policy=self.policy)
 
         def connect(
             self, model: torch.nn.Module, optimizers: list[Any], lr_schedulers: list[Any]
