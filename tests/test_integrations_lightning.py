@@ -177,6 +177,11 @@ def test_plugin_rejects_bf16_and_unknown_packages() -> None:
         MixprecPrecision("bf16-mixed", "cpu")
     with pytest.raises(ConfigError, match="package must be one of"):
         plugin_class("lightning_fabric")
+    with pytest.raises(ConfigError, match="skip_aware_schedulers=False"):
+        MixprecPrecision("16-mixed", "cpu", scaler=torch.amp.GradScaler("cpu"))
+    torch_scaler = torch.amp.GradScaler("cpu")
+    plugin = MixprecPrecision("16-mixed", "cpu", torch_scaler, skip_aware_schedulers=False)
+    assert plugin.scaler is torch_scaler
 
 
 def test_plugin_applies_a_mixprec_policy_inside_training_step(tmp_path: Path) -> None:

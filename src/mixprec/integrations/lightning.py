@@ -112,7 +112,8 @@ def _build_plugin_class(package: str) -> type:
                 outermost module called in the step (e.g. ``self.net``). None: plain autocast.
 
         Raises:
-            ConfigError: ``precision`` is not ``"16-mixed"``.
+            ConfigError: ``precision`` is not ``"16-mixed"``, or ``skip_aware_schedulers`` with
+                a scaler that cannot report skipped steps (torch's).
 
         Example:
             >>> from mixprec.integrations.lightning import MixprecPrecision
@@ -135,7 +136,14 @@ def _build_plugin_class(package: str) -> type:
                     f"MixprecPrecision is for precision='16-mixed' (loss scaling), got "
                     f"{precision!r}. bf16 needs no scaler: use Trainer(precision='bf16-mixed')."
                 )
-            super().__init__(precision, device, scaler=scaler or GradScaler())
+            scaler = scaler if scaler is not None else GradScaler()
+            if skip_aware_schedulers and not callable(getattr(scaler, "last_step_skipped", None)):
+                raise ConfigError(
+                    f"skip_aware_schedulers needs a scaler that reports skipped steps "
+                    f"(last_step_skipped), got {type(scaler).__name__}. Pass a "
+                    "mixprec.GradScaler, or skip_aware_schedulers=False."
+                )
+            super().__init__(precision, device, scaler=scaler)
             self.skip_aware_schedulers = skip_aware_schedulers
             self.policy = policy
 
