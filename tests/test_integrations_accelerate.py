@@ -23,7 +23,7 @@ from accelerate.utils import GradScalerKwargs  # noqa: E402
 from mixprec.integrations.accelerate import use_mixprec_scaler  # noqa: E402
 
 TORCH_KEYS = ("scale", "growth_factor", "backoff_factor", "growth_interval", "_growth_tracker")
-OVERFLOW_AT = (3, 6)  # iterations whose input overflows fp16 (iteration 0 may overflow too)
+OVERFLOW_AT = (0, 3, 6)  # iterations whose input overflows fp16 (0: a skipped first step)
 
 
 @pytest.fixture(autouse=True)
@@ -117,7 +117,8 @@ def test_bare_assignment_misreports_fused_skips() -> None:
     acc.scaler, acc.native_amp = mixprec.GradScaler(), True
     model, opt, sched = acc.prepare(*make(fused=True))
     reported, truth = train_accelerate(acc, model, opt, sched, 0, 8)
-    assert truth[3] and not reported[3]
+    assert truth[3] and not reported[3]  # the fused kernel skipped, its step() was called
+    assert truth[0] and reported[0]  # a skipped first step: mixprec does not call step()
 
 
 def test_save_and_load_state_resume_identically(tmp_path: Path) -> None:
