@@ -180,6 +180,13 @@ def clip_norms(model: nn.Module) -> dict[str, float]:
         max_norm = norms[f"torch_{p}"] / 4
         norms[f"mixprec_{p}"] = float(distributed_clip_grad_norm_(model.parameters(), max_norm, p))
         norms[f"after_{p}"] = full_norm(model, p) / max_norm
+        # scaler.clip_grad_norm_ (fused unscale+clip) on DTensor grads: the same global norm
+        scaler = mixprec.GradScaler(init_scale=INIT_SCALE)
+        model.zero_grad()
+        scaler.scale(loss_of(model, *batch(dist.get_rank(), 99))).backward()
+        opt = torch.optim.SGD(model.parameters(), lr=0.0)
+        norms[f"scaler_{p}"] = float(scaler.clip_grad_norm_(opt, math.inf, p))
+        scaler.update()
     return norms
 
 
@@ -210,6 +217,43 @@ def scenario_fused(rank: int) -> dict[str, Any]:
         out = train(model, opt, scaler, lambda it: batch(rank, it), poison, range(ITERS), unscale)
         result["unscale" if unscale else "plain"] = record(scaler, out)
     return result
+
+
+def scenario_clip(rank: int) -> dict[str, Any]:
+    """scaler.clip_grad_norm_/clip_grad_value_ with per-rank grads (ZeRO-like) and a group."""
+    model = make_model()
+    opt = torch.optim.Adam(model.parameters(), lr=1e-2)
+    scaler = scaler_for(dist.group.WORLD)
+    out: dict[str, list] = {"norms": [], "oracle": [], "clipped_ok": [], "skipped": []}
+    for it, (how, poisoned) in enumerate(
+        [(2.0, -1), (math.inf, -1), (2.0, 0), ("v", 1), ("v", -1)]
+    ):
+        opt.zero_grad()
+        scaler.scale(loss_of(model, *batch(rank, it))).backward()
+        if poisoned == rank:
+            poison_(model[0].weight.grad)
+        unscaled = [q.grad / scaler.get_scale() for q in model.parameters()]
+        if how == "v":
+            scaler.clip_grad_value_(opt, 0.01)
+            want = [g.clamp(-0.01, 0.01) for g in unscaled]
+        else:
+            out["norms"].append(float(scaler.clip_grad_norm_(opt, 0.1, how)))
+            out["oracle"].append(gathered_norm(unscaled, how))  # torch's norm of all ranks' grads
+            want = [g * min(1.0, 0.1 / (out["oracle"][-1] + 1e-6)) for g in unscaled]
+        got = [q.grad for q in model.parameters()]
+        ok = all(torch.allclose(a, b, rtol=1e-4) for a, b in zip(got, want, strict=True))
+        out["clipped_ok"].append(ok)
+        before = steps_taken(opt)
+        scaler.step(opt)
+        scaler.update()
+        out["skipped"].append(steps_taken(opt) == before)
+    return record(scaler, {**out, "scales": []})
+
+
+def gathered_norm(grads: list[torch.Tensor], p: float) -> float:
+    everyone: list[Any] = [None] * dist.get_world_size()
+    dist.all_gather_object(everyone, [g.clone() for g in grads])
+    return float(torch.nn.utils.get_total_norm([g for gs in everyone for g in gs], p))
 
 
 def scenario_fsdp1(rank: int) -> dict[str, Any]:

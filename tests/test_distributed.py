@@ -30,7 +30,7 @@ pytestmark = pytest.mark.skipif(
 WORKER = Path(__file__).with_name("dist_worker.py")
 WORLD = 2
 TIMEOUT_S = 60
-SPAWNED = ["ddp", "fsdp2", "fsdp2_fp16_policy", "fused", "fsdp1", "join", "ckpt_save"]
+SPAWNED = ["ddp", "fsdp2", "fsdp2_fp16_policy", "fused", "fsdp1", "join", "clip", "ckpt_save"]
 
 
 def _free_port() -> int:
@@ -131,7 +131,23 @@ def test_distributed_clip_matches_torch_norm_of_dtensor_grads(world: list) -> No
         for p in (2.0, math.inf):
             assert norms[f"mixprec_{p}"] == pytest.approx(norms[f"torch_{p}"], rel=1e-5)
             assert norms[f"after_{p}"] == pytest.approx(1.0, rel=1e-4)
+            assert norms[f"scaler_{p}"] == pytest.approx(norms[f"torch_{p}"], rel=1e-5)
     assert world[0]["fsdp2"]["norms"] == world[1]["fsdp2"]["norms"]
+
+
+@pytest.mark.slow
+def test_scaler_clip_uses_the_global_norm_and_agrees(world: list) -> None:
+    """scaler.clip_grad_norm_/clip_grad_value_ (fused unscale+clip) with a process group."""
+    ranks = [w["clip"] for w in world]
+    for rank in ranks:
+        norms, oracle = rank["norms"], rank["oracle"]  # p=2, p=inf, p=2 with an inf on rank 0
+        assert norms[:2] == pytest.approx(oracle[:2], rel=1e-5)
+        assert math.isinf(norms[2]) and math.isinf(oracle[2])
+        clean = [rank["clipped_ok"][i] for i in (0, 1, 4)]  # norm, norm, value clipping
+        assert clean == [True, True, True]
+        assert rank["skipped"] == [False, False, True, True, False]
+    assert ranks[0]["norms"][:2] == ranks[1]["norms"][:2]
+    assert ranks[0]["state"] == ranks[1]["state"]
 
 
 @pytest.mark.slow

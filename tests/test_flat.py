@@ -12,7 +12,8 @@ import pytest
 import torch
 
 import mixprec
-from mixprec.kernels.flat import flat_view
+from mixprec.kernels import flat as flat_module
+from mixprec.kernels.flat import flat_view, flat_views
 from mixprec.kernels.plan import plan_grads
 
 CPU32 = (torch.device("cpu"), torch.float32)
@@ -43,6 +44,18 @@ def test_exact_tiling_in_any_order_is_flat():
     # Reshaped views and zero-element views are fine.
     shaped = [buf[0:6].view(2, 3), buf[6:6], buf[6:10].view(2, 2)]
     assert torch.equal(flat_view(shaped), buf[0:10])
+
+
+def test_one_range_per_buffer_like_ddp_buckets():
+    first, second = torch.arange(10.0), torch.arange(6.0)
+    grads = [*views(second, [(0, 6)]), *views(first, [(4, 10), (0, 4)])]
+    ranges = flat_views(grads)
+    assert ranges is not None and sorted(v.numel() for v in ranges) == [6, 10]
+    assert flat_view(grads) is None  # not a single range
+    # Two bases sharing memory (detach() makes a new base): overlapping ranges are rejected.
+    alias = first.detach()
+    assert flat_views([first[0:6], alias[4:10]]) is None
+    assert flat_views([first[0:4], alias[4:10]]) is not None  # adjacent, not overlapping
 
 
 @pytest.mark.parametrize(
@@ -107,6 +120,29 @@ def test_flat_unscale_is_bit_identical_and_finds_inf():
         for a, b in zip(mine, ref, strict=True):
             assert torch.equal(a.grad, b.grad) or (inject and a.grad.isinf().any())
             assert torch.equal(a.detach(), b.detach())
+
+
+@pytest.mark.parametrize("sequential_max", [1 << 22, 1000])
+def test_large_flat_ranges_in_pieces_or_whole(monkeypatch, sequential_max):
+    """CPU ranges up to SEQUENTIAL_MAX_NUMEL go to the kernels in 32768-element pieces."""
+    monkeypatch.setattr(flat_module, "SEQUENTIAL_MAX_NUMEL", sequential_max)
+    torch.manual_seed(1)
+    ref = params_with([torch.randn(40_000) * 64.0, torch.randn(30_000) * 64.0])
+    mine = params_with([p.grad.clone() for p in ref])
+    mine[1].grad[-1] = ref[1].grad[-1] = math.nan
+    mixprec.flatten_grads(mine)
+    m_opt = torch.optim.SGD(mine, lr=0.1)
+    pieces = plan_grads(m_opt).kernel_groups()[CPU32]
+    assert len(pieces) == (3 if sequential_max > 70_000 else 1)
+    t_scaler = torch.amp.GradScaler("cpu", init_scale=64.0)
+    t_scaler.scale(torch.ones(()))
+    t_scaler.unscale_(torch.optim.SGD(ref, lr=0.1))
+    m_scaler = mixprec.GradScaler(init_scale=64.0)
+    m_scaler.scale(torch.ones(()))
+    m_scaler.unscale_(m_opt)
+    assert m_scaler.step(m_opt) is None  # the NaN in the last piece was found
+    for a, b in zip(mine, ref, strict=True):
+        torch.testing.assert_close(a.grad, b.grad, rtol=0, atol=0, equal_nan=True)
 
 
 def test_plan_is_cached_and_revalidated():
@@ -202,7 +238,8 @@ def test_ddp_bucket_views_take_the_flat_path():
             scaler.scale(ddp(torch.randn(3, 4)).sum()).backward()
             plan = plan_grads(opt)
             assert CPU32 in plan.flat
-            assert plan.flat[CPU32].numel() == sum(p.numel() for p in model.parameters())
+            covered = sum(v.numel() for v in plan.flat[CPU32])
+            assert covered == sum(p.numel() for p in model.parameters())
             assert torch.isfinite(scaler.clip_grad_norm_(opt, 1.0))
             scaler.step(opt)
             scaler.update()

@@ -175,12 +175,13 @@ def all_reduce_norm_(local_norm: torch.Tensor, norm_type: float, group: Any = No
     if math.isinf(p):
         buffer = value.to(comm_device, copy=True)
         op = dist.ReduceOp.MAX
-    else:
-        buffer = value.to(comm_device).pow(p)
+    else:  # in float64 where there is one: norm ** p of a large finite norm fits
+        wide = torch.float32 if comm_device.type == "mps" else torch.float64
+        buffer = value.to(comm_device, wide).pow(p)
         op = dist.ReduceOp.SUM
     dist.all_reduce(buffer, op=op, group=group, async_op=True).wait()
     total = buffer if math.isinf(p) else buffer.pow(1.0 / p)
-    return total.to(value.device)
+    return total.to(value.device, torch.float32)
 
 
 def _local_norm(grads: list[torch.Tensor], norm_type: float, device: torch.device) -> torch.Tensor:
@@ -331,11 +332,13 @@ class DistState:
 
             Join.notify_join_context(self.joinable)
         flags = list(found_inf_per_device.values())
-        total = torch.zeros((), dtype=torch.float32, device=device)
+        # Reduce where the flags are (CPU-offloaded grads: on the CPU), then move the result.
+        where = {flag.device for flag in flags}
+        source = where.pop() if len(where) == 1 else torch.device(device)
+        total = torch.zeros((), dtype=torch.float32, device=source)
         for flag in flags:
-            total = total + flag.to(device, non_blocking=True)
-        agreed = (total != 0).to(torch.float32)
-        agree_found_inf_(agreed, group)
+            total = total + flag.to(source, non_blocking=True)
+        agreed = agree_found_inf_((total != 0).to(torch.float32), group).to(device)
         self.collectives += 1
         self.total_collectives += 1
         if flags:

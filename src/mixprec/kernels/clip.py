@@ -32,6 +32,7 @@ Implementation choice per device type (measured with ``benchmarks/run.py``, CPU,
 from __future__ import annotations
 
 import math
+from collections.abc import Callable
 
 import torch
 
@@ -85,6 +86,7 @@ def clip_grad_norm_(
     *,
     check_output: bool,
     error_if_nonfinite: bool = False,
+    reduce_norm: Callable[[torch.Tensor], torch.Tensor] | None = None,
 ) -> torch.Tensor:
     """Unscale and clip the grads of ``plan`` in place; return the unscaled total norm.
 
@@ -99,6 +101,9 @@ def clip_grad_norm_(
             non-finite unscaled norm too.
         error_if_nonfinite: raise :class:`NonFiniteNormError` before touching anything when the
             norm is inf/NaN (reads the norm: one host sync).
+        reduce_norm: sharded grads: turns this rank's scaled norm into the global one (one
+            all-reduce, :func:`mixprec.distributed.all_reduce_norm_`). The flags then also take
+            the global norm's non-finiteness, so every rank agrees without another collective.
 
     Returns:
         The total norm of the unscaled grads, a 0-d tensor on the first grad's device.
@@ -107,10 +112,14 @@ def clip_grad_norm_(
     """
     groups = plan.kernel_groups()
     if not groups:
-        return torch.zeros((), dtype=torch.float32, device=inv_scale.device)
+        zero = torch.zeros((), dtype=torch.float32, device=inv_scale.device)
+        return zero if reduce_norm is None else reduce_norm(zero) * inv_scale  # no rank hangs
     first_device = next(iter(groups))[0]
     norms = [_group_norms(grads, norm_type).to(first_device) for grads in groups.values()]
     scaled_total = torch.linalg.vector_norm(torch.cat(norms), norm_type)
+    if reduce_norm is not None:
+        scaled_total = reduce_norm(scaled_total)
+        check_output = True  # flags = max(local, global non-finite norm): the same on all ranks
     total = scaled_total * inv_scale.to(first_device)
     if error_if_nonfinite and not bool(torch.isfinite(total)):
         raise NonFiniteNormError(

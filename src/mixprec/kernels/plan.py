@@ -3,7 +3,7 @@
 Planning runs on every ``unscale_``/``step``/``clip_grad_norm_``, so it is kept cheap: the common
 case (every grad present, dense, of one device and dtype) is recognised with C-level ``map`` calls
 and no per-parameter Python loop. Groups whose grads tile one contiguous range of a shared buffer
-get a flat 1-D view (:func:`mixprec.kernels.flat.flat_view`). When *every* group is flat, the
+get flat 1-D views (:func:`mixprec.kernels.flat.flat_views`). When *every* group is flat, the
 plan is cached per optimizer and revalidated on each call from the grads' identities, addresses
 and sizes (three ``map`` passes): such grads are views of a long-lived buffer, so holding them
 costs no memory. Other plans are never cached, so that ``zero_grad(set_to_none=True)`` frees the
@@ -22,7 +22,7 @@ from typing import cast
 import torch
 
 from mixprec.errors import ConfigError
-from mixprec.kernels.flat import flat_view
+from mixprec.kernels.flat import flat_views, kernel_pieces
 
 __all__ = ["GradPlan", "ParamRef", "clear_plan_cache", "iter_params", "plan_grads"]
 
@@ -55,21 +55,26 @@ class GradPlan:
         sparse: parameters with a sparse grad (their values join ``dense`` at unscale time).
         low_precision: parameters whose dense grad is float16.
         missing: parameters without a grad.
-        flat: for the dense groups whose grads tile one contiguous range, a 1-D view of it.
+        flat: for the dense groups whose grads tile contiguous ranges of shared buffers, 1-D
+            views of those ranges (one per buffer).
     """
 
     dense: dict[GroupKey, list[torch.Tensor]] = field(default_factory=dict)
     sparse: list[ParamRef] = field(default_factory=list)
     low_precision: list[ParamRef] = field(default_factory=list)
     missing: list[ParamRef] = field(default_factory=list)
-    flat: dict[GroupKey, torch.Tensor] = field(default_factory=dict)
+    flat: dict[GroupKey, list[torch.Tensor]] = field(default_factory=dict)
+    _kernel_groups: dict[GroupKey, list[torch.Tensor]] | None = field(default=None, repr=False)
 
     def kernel_groups(self) -> dict[GroupKey, list[torch.Tensor]]:
-        """The dense groups as the kernels should see them: ``[flat view]`` where there is one."""
-        return {
-            key: [self.flat[key]] if key in self.flat else grads
-            for key, grads in self.dense.items()
-        }
+        """The dense groups as the kernels should get them: flat ranges where there are some
+        (cut into pieces on the CPU, see :func:`mixprec.kernels.flat.kernel_pieces`)."""
+        if self._kernel_groups is None:
+            self._kernel_groups = {
+                key: kernel_pieces(self.flat[key]) if key in self.flat else grads
+                for key, grads in self.dense.items()
+            }
+        return self._kernel_groups
 
     @property
     def devices(self) -> set[torch.device]:
@@ -114,9 +119,9 @@ def plan_grads(optimizer: torch.optim.Optimizer) -> GradPlan:
         return cached.plan
     plan = _build_plan(optimizer, grads)
     for key, group in plan.dense.items():
-        view = flat_view(group)
-        if view is not None:
-            plan.flat[key] = view
+        views = flat_views(group)
+        if views is not None:
+            plan.flat[key] = views
     if grads is not None and _cacheable(plan):  # no grad is None then
         _CACHE[optimizer] = _CachedPlan(cast("list[torch.Tensor]", grads), plan)
     else:

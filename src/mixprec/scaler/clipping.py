@@ -7,11 +7,14 @@ UNSCALED), so the usual rules apply: once per optimizer per iteration, before ``
 
 from __future__ import annotations
 
+import functools
 import math
 import weakref
+from typing import Any
 
 import torch
 
+from mixprec.distributed import all_reduce_norm_
 from mixprec.errors import ConfigError, LowPrecisionGradError, ScalerStateError
 from mixprec.kernels import clip
 from mixprec.kernels.plan import GradPlan, plan_grads
@@ -43,7 +46,9 @@ class ClippingMixin(ScalerCore):
         mistake. It counts as this iteration's ``unscale_`` for ``optimizer``. When a gradient
         is inf/NaN the returned norm is inf/NaN and the next ``step`` skips (no error). The norm
         is computed over the optimizer's own parameters only; the flat fast path applies to
-        grads laid out by :func:`mixprec.flatten_grads` or DDP bucket views.
+        grads laid out by :func:`mixprec.flatten_grads` or DDP bucket views. With a
+        ``process_group`` (or DTensor grads) the norm is the global one over every rank's shards,
+        combined with one all-reduce that also serves as the ranks' overflow agreement.
 
         Args:
             optimizer: the optimizer whose gradients are unscaled and clipped.
@@ -82,7 +87,10 @@ class ClippingMixin(ScalerCore):
             return torch.nn.utils.clip_grad_norm_(params, max_norm, norm_type, error_if_nonfinite)
         norm_type = clip.validate_norm_type(norm_type)
         limit = _validated_limit(max_norm, "max_norm")
-        record, plan = self._plan_for_clip(optimizer, "clip_grad_norm_")
+        record, plan, group = self._plan_for_clip(optimizer, "clip_grad_norm_")
+        reduce = None  # sharded grads: the global norm, one all-reduce (mixprec.distributed)
+        if group is not None:
+            reduce = functools.partial(all_reduce_norm_, norm_type=norm_type, group=group)
         total = clip.clip_grad_norm_(
             plan,
             self._get_inv_scale(),
@@ -91,6 +99,7 @@ class ClippingMixin(ScalerCore):
             norm_type,
             check_output=self._mirror.scale_may_be_below_one,
             error_if_nonfinite=error_if_nonfinite,
+            reduce_norm=reduce,
         )
         _mark_unscaled(record, plan, optimizer)
         return total
@@ -129,7 +138,7 @@ class ClippingMixin(ScalerCore):
             torch.nn.utils.clip_grad_value_(params, clip_value)
             return
         limit = _validated_limit(clip_value, "clip_value")
-        record, plan = self._plan_for_clip(optimizer, "clip_grad_value_")
+        record, plan, group = self._plan_for_clip(optimizer, "clip_grad_value_")
         clip.clip_grad_value_(
             plan,
             self._get_inv_scale(),
@@ -137,28 +146,27 @@ class ClippingMixin(ScalerCore):
             limit,
             check_output=self._mirror.scale_may_be_below_one,
         )
+        if group is not None:  # one all-reduce of the flag (mixprec.distributed)
+            self._dist.agree_(record.found_inf_per_device, group, self._get_inv_scale().device)
         _mark_unscaled(record, plan, optimizer)
 
     def _get_inv_scale(self) -> torch.Tensor:  # pragma: no cover - GradScaler provides it
         raise NotImplementedError
 
-    def _plan_for_clip(self, optimizer: _Optimizer, what: str) -> tuple[OptimizerRecord, GradPlan]:
+    def _plan_for_clip(
+        self, optimizer: _Optimizer, what: str
+    ) -> tuple[OptimizerRecord, GradPlan, Any]:
+        """The record, the plan (DTensor grads as local shards) and the group to agree over."""
         self._require_state(what)
-        if getattr(getattr(self, "_dist", None), "group", None) is not None:
-            raise ConfigError(
-                f"scaler.{what}() clips with this rank's gradients only, but this scaler has a "
-                "process_group (sharded gradients need a global norm). Call "
-                "scaler.unscale_(optimizer), then mixprec.distributed.distributed_clip_grad_norm_."
-            )
         try:
             record = self._phases.check_can_unscale(optimizer)
         except ScalerStateError as exc:
             raise ScalerStateError(f"{what}() unscales the gradients, so: {exc}") from None
-        plan = plan_grads(optimizer)
+        plan, group, agree = self._dist.prepare(plan_grads(optimizer))
         if plan.low_precision:
             raise LowPrecisionGradError(diagnostics.low_precision_message(plan.low_precision))
         clip.validate_plan(plan, what)
-        return record, plan
+        return record, plan, group if agree else None
 
 
 def _validated_limit(value: float, name: str) -> float:
