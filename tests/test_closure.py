@@ -312,3 +312,26 @@ def test_unscale_twice_without_a_closure_is_still_refused() -> None:
     scaler.unscale_(opt)
     with pytest.raises(ScalerStateError, match="already been called"):
         scaler.unscale_(opt)
+
+
+def test_fused_optimizer_with_a_closure_matches_it_without_scaler() -> None:
+    runs = []
+    for scaler in (None, mixprec.GradScaler()):
+        model = _model()
+        opt = torch.optim.Adam(model.parameters(), lr=0.1, fused=True)
+        for _ in range(3):
+            closure = _closure(model, opt, scaler)
+            _ = opt.step(closure) if scaler is None else scaler.step(opt, closure)
+            if scaler is not None:
+                scaler.update()
+        runs.append(_snapshot(model, opt))
+    _assert_same(*runs)
+
+
+def test_closure_that_never_scales_is_an_error_naming_the_fix() -> None:
+    model = _model()
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    before = _snapshot(model, opt)
+    with pytest.raises(ScalerStateError, match=r"scaler\.scale\(loss\)\.backward\(\)"):
+        mixprec.GradScaler().step(opt, _closure(model, opt, None))
+    _assert_same(before, _snapshot(model, opt))

@@ -203,3 +203,74 @@ def test_wrapping_twice_or_a_non_optimizer_is_refused() -> None:
         mixprec.MasterWeights(opt)
     with pytest.raises(ConfigError, match="Optimizer"):
         mixprec.MasterWeights([torch.zeros(1)])  # type: ignore[arg-type]
+
+
+def _fp16_and_fp32_twins() -> tuple[nn.Module, nn.Module]:
+    torch.manual_seed(3)
+    low = nn.Sequential(nn.Linear(8, 16), nn.Tanh(), nn.Linear(16, 1)).half()
+    return low, copy.deepcopy(low).float()
+
+
+def test_lbfgs_closure_sees_the_moved_weights_and_matches_the_fp32_run() -> None:
+    """LBFGS moves the masters between closure evaluations: the fp16 model must follow."""
+    finals = []
+    for model in _fp16_and_fp32_twins():
+        opt = torch.optim.LBFGS(model.parameters(), lr=1, max_iter=5)
+        if model[0].weight.dtype == torch.float16:
+            mixprec.MasterWeights(opt)
+        scaler = mixprec.GradScaler()
+
+        def closure(model: nn.Module = model, opt: Any = opt, scaler: Any = scaler) -> Any:
+            opt.zero_grad()
+            with torch.autocast("cpu", dtype=torch.float16):
+                loss = F.mse_loss(model(X).float(), Y)
+            scaler.scale(loss).backward()
+            return loss
+
+        for _ in range(3):
+            scaler.step(opt, closure)
+            scaler.update()
+        finals.append([p.detach().clone() for g in opt.param_groups for p in g["params"]])
+    for master, reference in zip(*finals, strict=True):
+        assert torch.equal(master, reference)
+
+
+def test_sam_with_master_weights_restores_the_fp16_model_after_an_overflow() -> None:
+    from test_closure import SAM
+
+    model, _ = _fp16_and_fp32_twins()
+    opt = SAM(model.parameters(), torch.optim.SGD, rho=0.05, lr=0.1)
+    masters = mixprec.MasterWeights(opt)
+    scaler = mixprec.GradScaler(init_scale=2.0**8)  # the fp16 grads of pass 1 must fit
+
+    def loss_fn(factor: float = 1.0) -> torch.Tensor:
+        with torch.autocast("cpu", dtype=torch.float16):
+            return F.mse_loss(model(X).float(), Y) * factor
+
+    seen: list[torch.Tensor] = []
+
+    def closure() -> torch.Tensor:
+        seen.append(model[0].weight.detach().clone())  # the model at the perturbed point
+        loss = loss_fn(float("inf"))
+        scaler.scale(loss).backward()
+        return loss
+
+    before = [p.detach().clone() for p in model.parameters()]
+    scaler.scale(loss_fn()).backward()
+    scaler.unscale_(opt)
+    assert scaler.step(opt, closure) is None
+    assert not torch.equal(seen[0], before[0])  # SAM's perturbation reached the fp16 model
+    for p, b in zip(model.parameters(), before, strict=True):
+        assert torch.equal(p, b)  # and was undone there too
+    for low, master in masters.pairs:
+        assert torch.equal(low, master.half())
+
+
+def test_lr_scheduler_works_on_a_converted_optimizer() -> None:
+    model = PeftLike()
+    opt = torch.optim.SGD(_trainable(model), lr=0.1)
+    mixprec.MasterWeights(opt)
+    scheduler = torch.optim.lr_scheduler.StepLR(opt, step_size=1, gamma=0.5)
+    _train(model, opt, mixprec.GradScaler(), 2)
+    scheduler.step()
+    assert opt.param_groups[0]["lr"] == 0.05

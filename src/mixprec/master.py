@@ -11,7 +11,9 @@ float32 copies ("masters") of its low-precision parameters:
 * the scaler unscales and checks the fp32 master gradients (mixprec's or torch's scaler alike);
 * the optimizer steps the masters (its state is fp32 too);
 * after every ``optimizer.step()`` the low-precision parameters are refreshed from the masters (a
-  step post-hook), so the model always runs with the masters rounded to its dtype.
+  step post-hook), so the model always runs with the masters rounded to its dtype; with a
+  closure (LBFGS, SAM), also before every evaluation of the closure, since those optimizers move
+  the masters mid-step.
 
 Memory: for each low-precision element, 4 bytes of master and 4 bytes of master gradient, while the
 2-byte low-precision gradient is freed as it arrives: +6 bytes per element over fp16 parameters
@@ -21,6 +23,7 @@ of the same optimizer are left alone and cost nothing.
 
 from __future__ import annotations
 
+import types
 from collections.abc import Iterable, Iterator
 from typing import Any
 
@@ -28,6 +31,7 @@ import torch
 from torch.utils.hooks import RemovableHandle
 
 from mixprec.errors import ConfigError
+from mixprec.scaler.closure import split_closure
 
 __all__ = ["MasterWeights"]
 
@@ -91,6 +95,27 @@ class MasterWeights:
             optimizer.register_load_state_dict_pre_hook(self._take_from_state_dict),
         ]
         optimizer._mixprec_master_weights = self  # type: ignore[attr-defined]
+        self._refresh_before_closures()
+
+    def _refresh_before_closures(self) -> None:
+        """Optimizers that evaluate a closure mid-step (LBFGS, SAM) move the masters first:
+        the model must run with the moved weights, so refresh before every evaluation."""
+        original = self.optimizer.step
+        masters = self
+
+        def step(optimizer: _Optimizer, *args: Any, **kwargs: Any) -> Any:
+            call = split_closure(args, kwargs)
+            if call is None:
+                return original(*args, **kwargs)
+
+            def refreshed() -> Any:
+                masters.refresh()
+                return call.closure()
+
+            return call.invoke_with(original, refreshed)
+
+        # a bound method, as LR schedulers expect (they re-bind ``optimizer.step.__func__``)
+        self.optimizer.step = types.MethodType(step, self.optimizer)  # type: ignore[method-assign]
 
     def _swap_in_masters(self) -> None:
         for group in self.optimizer.param_groups:

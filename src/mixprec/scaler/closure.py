@@ -46,7 +46,10 @@ class ClosureCall:
 
     def invoke(self, optimizer: _Optimizer, wrapped: Callable[[], Any]) -> Any:
         """``optimizer.step`` with ``wrapped`` where the user's closure was."""
-        step: Callable[..., Any] = optimizer.step
+        return self.invoke_with(optimizer.step, wrapped)
+
+    def invoke_with(self, step: Callable[..., Any], wrapped: Callable[[], Any]) -> Any:
+        """``step(...)`` with ``wrapped`` where the user's closure was."""
         if self.keyword:
             return step(*self.args, closure=wrapped, **self.kwargs)
         return step(wrapped, *self.args, **self.kwargs)
@@ -78,11 +81,12 @@ class Snapshot:
     params: list[tuple[torch.Tensor, torch.Tensor]] = field(default_factory=list)
     states: list[tuple[_Optimizer, dict[Any, Any]]] = field(default_factory=list)
     groups: list[tuple[dict[str, Any], dict[str, Any]]] = field(default_factory=list)
+    masters: Any = None  # the optimizer's MasterWeights: its model copies follow the masters
 
     @classmethod
     def take(cls, optimizer: _Optimizer) -> Snapshot:
         """Copy everything ``optimizer.step`` may change. Host sync: none."""
-        snap = cls()
+        snap = cls(masters=getattr(optimizer, "_mixprec_master_weights", None))
         seen: set[int] = set()
         for opt in _optimizers_within(optimizer):
             memo: dict[int, Any] = {}
@@ -111,6 +115,8 @@ class Snapshot:
             group.clear()
             group.update(saved_group)
             group["params"] = params
+        if self.masters is not None:
+            self.masters.refresh()
 
 
 class _Overflow(Exception):
@@ -151,6 +157,12 @@ class _Evaluation:
         scaled: list[Any] = []
         with _recording_scaled_outputs(scaler, scaled):
             loss = self.closure()
+        if scaler._get_scale_async() is None:
+            raise ScalerStateError(
+                "The closure given to scaler.step(optimizer, closure) did not call "
+                "scaler.scale(): its gradients are not scaled. Inside the closure write "
+                "scaler.scale(loss).backward() instead of loss.backward()."
+            )
         if record.stage is OptState.READY:
             scaler._unscale_into(optimizer, record)
         self.count += 1
