@@ -143,6 +143,10 @@ def optimizer_class() -> type:
         class MixprecAcceleratedOptimizer(base):
             @property
             def step_was_skipped(self) -> bool:
+                """Whether the scaler skipped this optimizer's last step (fused ones too).
+
+                Host sync: one; free on the CPU.
+                """
                 try:
                     return bool(self.scaler.last_step_skipped(self.optimizer))
                 except ScalerStateError:
