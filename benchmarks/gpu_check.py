@@ -1,0 +1,208 @@
+"""The checks that need a real CUDA GPU, in one script that runs in a few minutes.
+
+1. Differential core on CUDA: the same fp16-autocast training runs with ``torch.amp.GradScaler``
+   and ``mixprec.GradScaler`` (SGD, Adam, AdamW; plain, foreach, fused; inf and NaN injected;
+   with torch's ``unscale_`` + ``clip_grad_norm_`` and with ``scaler.clip_grad_norm_``): the scale
+   trajectory and the parameters must be bit-identical (the fused clip: to float32 rounding,
+   bit-identical expected with the default power-of-two scales).
+2. The benchmark table of ``benchmarks/run.py`` on the GPU.
+3. Host syncs per iteration (``torch.cuda.set_sync_debug_mode("warn")``, counting warnings) for
+   plain and fused optimizers, mixprec against torch.amp.
+
+Run: ``python benchmarks/gpu_check.py [--out report.md] [--repeat 10]``. Without CUDA it says so
+and exits with status 0. ``--device cpu`` runs part 1 on the CPU (a dry run of the script's own
+logic, used by the test suite). Exit status 1 when a differential check fails. Standalone: it
+imports only torch, mixprec and ``benchmarks/run.py``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import functools
+import importlib.util
+import math
+import sys
+import time
+import warnings
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import torch
+
+import mixprec
+
+
+def _load_run_py() -> Any:
+    """benchmarks/run.py, next to this file, loaded by path (no sys.path change)."""
+    spec = importlib.util.spec_from_file_location(
+        "mixprec_bench_run", Path(__file__).with_name("run.py")
+    )
+    assert spec is not None and spec.loader is not None
+    module = importlib.util.module_from_spec(spec)
+    sys.modules[spec.name] = module  # dataclasses look their module up there
+    spec.loader.exec_module(module)
+    return module
+
+
+bench = _load_run_py()
+MakeOpt = Callable[[Any], torch.optim.Optimizer]
+OPTIMIZERS: dict[str, MakeOpt] = {
+    "sgd": functools.partial(torch.optim.SGD, lr=0.1),
+    "sgd-momentum-foreach": functools.partial(torch.optim.SGD, lr=0.1, momentum=0.9, foreach=True),
+    "sgd-momentum-fused": functools.partial(torch.optim.SGD, lr=0.1, momentum=0.9, fused=True),
+    "adam": functools.partial(torch.optim.Adam, lr=1e-2, foreach=False),
+    "adam-foreach": functools.partial(torch.optim.Adam, lr=1e-2, foreach=True),
+    "adam-fused": functools.partial(torch.optim.Adam, lr=1e-2, fused=True),
+    "adamw-fused": functools.partial(torch.optim.AdamW, lr=1e-2, fused=True),
+}
+INJECT = {2: math.inf, 5: math.nan}  # iteration -> value written into one grad
+CLIP = 0.5
+
+
+def train(device: torch.device, make_opt: MakeOpt, scaler: Any, clip: str, iters: int = 8):
+    """A tiny fp16-autocast MLP run. ``clip``: "none", "torch" (unscale_ + torch's
+    clip_grad_norm_) or "fused" (scaler.clip_grad_norm_). Returns (scales, params)."""
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(8, 16), torch.nn.ReLU(), torch.nn.Linear(16, 4))
+    model = model.to(device)
+    opt = make_opt(model.parameters())
+    gen = torch.Generator().manual_seed(1)
+    batches = [
+        (torch.randn(16, 8, generator=gen), torch.randn(16, 4, generator=gen)) for _ in range(iters)
+    ]
+    scales = []
+    for it, (x, y) in enumerate(batches):
+        with torch.autocast(device.type, dtype=torch.float16):
+            out = model(x.to(device))
+        loss = torch.nn.functional.mse_loss(out.float(), y.to(device))
+        scaler.scale(loss).backward()
+        if it in INJECT:
+            with torch.no_grad():
+                model[2].weight.grad[0, 0] = INJECT[it]
+        if clip == "torch":
+            scaler.unscale_(opt)
+            torch.nn.utils.clip_grad_norm_(model.parameters(), CLIP)
+        elif clip == "fused":
+            scaler.clip_grad_norm_(opt, CLIP)
+        scaler.step(opt)
+        scaler.update()
+        opt.zero_grad()
+        scales.append(scaler.get_scale())
+    return scales, [p.detach().cpu() for p in model.parameters()]
+
+
+def differential(device: torch.device) -> tuple[list[str], bool]:
+    """Part 1: one table row per (optimizer, clipping) case; True when all pass."""
+    rows = ["| optimizer | clipping | scales equal | params | result |", "|---|---|---|---|---|"]
+    all_ok = True
+    for name, make_opt in OPTIMIZERS.items():
+        for clip in ("none", "torch", "fused"):
+            ref_clip = "none" if clip == "none" else "torch"
+            kwargs = {"init_scale": 2.0**16, "growth_interval": 2}
+            ref = train(device, make_opt, torch.amp.GradScaler(device.type, **kwargs), ref_clip)
+            got = train(device, make_opt, mixprec.GradScaler(device.type, **kwargs), clip)
+            same_scales = ref[0] == got[0]
+            diff = max(float((a - b).abs().max()) for a, b in zip(ref[1], got[1], strict=True))
+            exact = all(torch.equal(a, b) for a, b in zip(ref[1], got[1], strict=True))
+            ok = same_scales and (exact if clip != "fused" else diff <= 1e-5)
+            all_ok &= ok
+            params = "bit-identical" if exact else f"max abs diff {diff:.2e}"
+            rows.append(
+                f"| {name} | {clip} | {same_scales} | {params} | {'ok' if ok else 'FAIL'} |"
+            )
+    return rows, all_ok
+
+
+def count_syncs(make_opt: MakeOpt, scaler_cls: Any, clip: str, iters: int = 6) -> float:
+    """Part 3: host syncs per iteration after two warm-up iterations (CUDA only)."""
+    device = torch.device("cuda")
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(64, 64), torch.nn.ReLU(), torch.nn.Linear(64, 8))
+    model = model.to(device)
+    opt = make_opt(model.parameters())
+    scaler = scaler_cls("cuda")
+    x, y = torch.randn(32, 64, device=device), torch.randn(32, 8, device=device)
+
+    def iteration() -> None:
+        with torch.autocast("cuda", dtype=torch.float16):
+            loss = torch.nn.functional.mse_loss(model(x).float(), y)
+        scaler.scale(loss).backward()
+        if clip == "torch":
+            scaler.unscale_(opt)
+            torch.nn.utils.clip_grad_norm_(model.parameters(), CLIP)
+        elif clip == "fused":
+            scaler.clip_grad_norm_(opt, CLIP)
+        scaler.step(opt)
+        scaler.update()
+        opt.zero_grad()
+
+    for _ in range(2):
+        iteration()
+    torch.cuda.synchronize()
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        torch.cuda.set_sync_debug_mode("warn")
+        try:
+            for _ in range(iters):
+                iteration()
+        finally:
+            torch.cuda.set_sync_debug_mode(0)
+    syncs = [w for w in caught if "synchroniz" in str(w.message).lower()]
+    return len(syncs) / iters
+
+
+def sync_table() -> list[str]:
+    rows = [
+        "| optimizer | clipping | torch.amp syncs/iter | mixprec syncs/iter |",
+        "|---|---|---:|---:|",
+    ]
+    for name in ("sgd", "adam-foreach", "adam-fused", "adamw-fused"):
+        for clip in ("none", "torch", "fused"):
+            theirs = count_syncs(
+                OPTIMIZERS[name], torch.amp.GradScaler, "torch" if clip == "fused" else clip
+            )
+            ours = count_syncs(OPTIMIZERS[name], mixprec.GradScaler, clip)
+            rows.append(f"| {name} | {clip} | {theirs:g} | {ours:g} |")
+    return rows
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--device", default="cuda", help="cuda (default); cpu: part 1 only")
+    parser.add_argument("--repeat", type=int, default=10, help="benchmark rounds per row")
+    parser.add_argument("--out", type=Path, default=None, help="also write the report here")
+    args = parser.parse_args(argv)
+    device = torch.device(args.device)
+    if device.type == "cuda" and not torch.cuda.is_available():
+        print(
+            "CUDA is not available on this machine: nothing to check. Run this script on a "
+            "machine with a CUDA GPU (python benchmarks/gpu_check.py)."
+        )
+        return 0
+    start = time.perf_counter()
+    lines = [f"# mixprec GPU check ({device})", ""]
+    lines.append(bench.header(device, bench.FULL) + "\n")
+    rows, ok = differential(device)
+    lines += ["## 1. Differential core against torch.amp", "", *rows, ""]
+    print("\n".join(lines), flush=True)
+    more: list[str] = []
+    if device.type == "cuda":
+        sizes = bench.Sizes(bench.FULL.big, bench.FULL.small, bench.FULL.mlp, args.repeat, 2)
+        section = ["## 2. Benchmarks", "", bench.table(bench.run_suite(sizes, device)), ""]
+        print("\n".join(section), flush=True)
+        more += section
+        section = ["## 3. Host syncs per iteration", "", *sync_table(), ""]
+        print("\n".join(section), flush=True)
+        more += section
+    footer = (
+        f"Done in {time.perf_counter() - start:.0f} s: differential {'ok' if ok else 'FAILED'}."
+    )
+    print(footer)
+    if args.out is not None:
+        args.out.write_text("\n".join([*lines, *more, footer]) + "\n")
+    return 0 if ok else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())
