@@ -3,14 +3,19 @@
 from __future__ import annotations
 
 import threading
+from collections.abc import Callable
+from contextlib import AbstractContextManager
+from typing import Any
 
 import pytest
 import torch
 
 import mixprec
 from autocast_helpers import bitwise_equal, make, step
+from mixprec import ConfigError
 
-LOW = [torch.float16, torch.bfloat16]
+BF16 = torch.bfloat16
+LOW = [torch.float16, BF16]
 KINDS = ["mlp", "cnn", "transformer"]
 
 
@@ -128,3 +133,32 @@ def test_compile_parity_and_rules_without_graph_breaks() -> None:
     comp = step(compiled, x, y, lambda: mixprec.autocast("cpu", torch.bfloat16, policy=policy))
     assert bitwise_equal([comp[0], *comp[1]], [eager[0], *eager[1]])
     assert not bitwise_equal([comp[0]], [out_m])  # the rules changed the numerics
+
+    def inside(ctx: Callable[[], AbstractContextManager[Any]]) -> torch.Tensor:
+        def fn(inp: torch.Tensor) -> torch.Tensor:
+            with ctx():
+                return model(inp)
+
+        torch._dynamo.reset()
+        return torch.compile(fn, backend="aot_eager")(x)
+
+    # Regions entered inside the compiled function: without a policy mixprec.autocast traces as
+    # torch.autocast; with one it refuses loudly (its hooks and modes cannot be traced there).
+    native_in = inside(lambda: torch.autocast("cpu", dtype=torch.bfloat16))
+    assert bitwise_equal([native_in], [inside(lambda: mixprec.autocast("cpu", torch.bfloat16))])
+    lin = torch.nn.Linear(4, 4)
+
+    def broken(inp: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        with mixprec.autocast("cpu", torch.bfloat16):
+            first = lin(inp)
+            torch._dynamo.graph_break()  # a break inside the region keeps its state
+            return first, lin(first)
+
+    assert [t.dtype for t in torch.compile(broken, backend="aot_eager")(x[:, :4])] == [BF16] * 2
+    # A rule on the root module of a compiled model (bound before the compiled frame runs).
+    root_policy = mixprec.Policy(modules={torch.nn.Linear: torch.float16})
+    with mixprec.autocast("cpu", torch.bfloat16, policy=root_policy):
+        assert torch.compile(lin, backend="aot_eager")(x[:, :4]).dtype == torch.float16
+    with pytest.raises(ConfigError, match="around the compiled call"):
+        inside(lambda: mixprec.autocast("cpu", torch.bfloat16, policy=policy))
+    assert not torch.is_autocast_enabled("cpu")

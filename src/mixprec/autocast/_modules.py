@@ -23,7 +23,13 @@ from mixprec.autocast._ops import OpRuleMode
 from mixprec.autocast.policy import Policy
 from mixprec.autocast.rules import Rule
 
-__all__ = ["TLS", "Frame", "acquire_global_hooks", "current_module_name", "release_global_hooks"]
+__all__ = [
+    "TLS",
+    "Frame",
+    "acquire_global_hooks",
+    "current_module_name",
+    "release_global_hooks",
+]
 
 
 class Frame:
@@ -164,9 +170,11 @@ def _bind(frame: Frame, module: nn.Module, name: str) -> bool:
     return fresh
 
 
-def _prepare_tree(root: nn.Module, policy: Policy) -> None:
+def _prepare_tree(root: nn.Module, policy: Policy, include_root: bool = False) -> None:
     """Attach rule hooks to the root's submodules before they run (their hook lists are read
     when their call starts, so hooks attached during the call would run only half)."""
+    if include_root and _record(root) is None and policy.module_rule(root, "") is not None:
+        _attach(root)  # called through a torch.compile wrapper, before its own call starts
     if root.__dict__.get(_PREPARED_ATTR) is policy:
         return
     for name, mod in root.named_modules():
@@ -224,7 +232,9 @@ def _global_pre(module: nn.Module, args: Any) -> Any:
         return None
     frame.names_seen.add(name)
     if not name and tls.root is not None:
-        _prepare_tree(tls.root, policy)
+        _prepare_tree(tls.root, policy, include_root=tls.root is not module)
+    if tls.root is not module and not name:
+        return None  # a torch.compile wrapper: its inner module is bound when it runs
     if _bind(frame, module, name):
         # First call of a module outside the prepared tree (typically the root): its own pre-hook
         # list was read before we attached, so apply the rule here (positional inputs only); its
@@ -243,6 +253,8 @@ def _global_post(module: nn.Module, args: Any, output: Any) -> None:
 def _rule_active(rec: _Record) -> bool:
     if TLS.frames:
         return rec.live
+    if torch.compiler.is_compiling():
+        return False  # traced outside any policy region; compiled recompute replays the graph
     if torch._C._current_graph_task_id() != -1:
         return rec.live  # checkpoint recomputation: replay the latest forward's rule
     rec.live = False  # a forward outside any policy region: forget the rule

@@ -9,7 +9,12 @@ from typing import Any, TypeVar
 import torch
 
 from mixprec.autocast._devices import resolve_device_type, resolve_low_dtype
-from mixprec.autocast._modules import TLS, Frame, acquire_global_hooks, release_global_hooks
+from mixprec.autocast._modules import (
+    TLS,
+    Frame,
+    acquire_global_hooks,
+    release_global_hooks,
+)
 from mixprec.autocast._ops import OpRuleMode
 from mixprec.autocast.policy import Policy
 from mixprec.autocast.report import DtypeReport
@@ -37,17 +42,46 @@ def _coerce_policy(policy: object) -> Policy | None:
     )
 
 
+_COMPILE_MSG = (
+    "mixprec.autocast with a policy or a report (or nested in a region that has one) cannot be "
+    "entered inside a torch.compile'd function; enter it around the compiled call instead: "
+    "`with mixprec.autocast(policy=p): out = compiled_model(x)`"
+)
+
+
 class _Entered:
     """What one ``__enter__`` did, so that ``__exit__`` can undo exactly that."""
 
     __slots__ = ("frame", "hooks", "mode", "native", "recorder")
 
-    def __init__(self, native: torch.autocast) -> None:
+    def __init__(self, native: torch.autocast | _TracedNative) -> None:
         self.native = native
         self.frame: Frame | None = None
         self.hooks = False
         self.mode: OpRuleMode | None = None
         self.recorder: Any = None
+
+
+class _TracedNative:
+    """Native autocast state switch used while Dynamo traces a region entered *inside* a compiled
+    function: Dynamo cannot trace an explicit ``torch.autocast.__enter__``, but it records these
+    ``torch.set_autocast_*`` calls into the graph. Tracing disables the weight cache anyway."""
+
+    def __init__(self, device_type: str, dtype: torch.dtype, enabled: bool) -> None:
+        self.device_type = device_type
+        self.dtype = dtype
+        self._enabled = enabled
+        self.prev: tuple[bool, torch.dtype] = (False, dtype)
+
+    def __enter__(self) -> None:
+        dev = self.device_type
+        self.prev = (torch.is_autocast_enabled(dev), torch.get_autocast_dtype(dev))
+        torch.set_autocast_enabled(dev, self._enabled)
+        torch.set_autocast_dtype(dev, self.dtype)
+
+    def __exit__(self, *exc: object) -> None:
+        torch.set_autocast_enabled(self.device_type, self.prev[0])
+        torch.set_autocast_dtype(self.device_type, self.prev[1])
 
 
 class autocast:
@@ -95,6 +129,31 @@ class autocast:
     Host sync: none.
     """
 
+    def __new__(
+        cls,
+        device_type: str | torch.device | None = None,
+        dtype: torch.dtype | None = None,
+        enabled: bool = True,
+        cache_enabled: bool | None = None,
+        *,
+        policy: Policy | str | None = None,
+        report: bool = False,
+    ) -> Any:
+        # While Dynamo traces, a plain region *is* torch.autocast, which Dynamo models natively
+        # (one graph, correct state across graph breaks inside the region).
+        if torch.compiler.is_compiling():
+            if policy is not None or report or TLS.frames:
+                obj = super().__new__(cls)
+                obj.__dict__["_traced"] = True  # _enter_full (run eagerly by Dynamo) refuses
+                return obj
+            return torch.autocast(
+                resolve_device_type(device_type),
+                dtype=resolve_low_dtype(dtype),
+                enabled=enabled,
+                cache_enabled=cache_enabled,
+            )
+        return super().__new__(cls)
+
     def __init__(
         self,
         device_type: str | torch.device | None = None,
@@ -118,7 +177,9 @@ class autocast:
         # not be entered from two threads at once (the decorator form makes a fresh one per call).
         self._stack: list[Any] = []
 
-    def _native(self) -> torch.autocast:
+    def _native(self) -> torch.autocast | _TracedNative:
+        if torch.compiler.is_compiling():
+            return _TracedNative(self.device, self.fast_dtype, self.enabled)
         cache = self.cache_enabled
         dev = self.device
         if (
@@ -130,11 +191,22 @@ class autocast:
         return torch.autocast(dev, dtype=self.fast_dtype, enabled=self.enabled, cache_enabled=cache)
 
     def __enter__(self) -> autocast:
+        if self.policy is None and self.report is None and not TLS.frames:
+            native = self._native()  # the thin path: native autocast and nothing else
+            native.__enter__()
+            self._stack.append(native)
+            return self
+        self._enter_full()
+        return self
+
+    @torch.compiler.disable
+    def _enter_full(self) -> None:
+        # Never traced: inside a compiled function Dynamo runs this frame eagerly (the policy
+        # machinery installs hooks and modes); around a compiled call, rules trace into the graph.
+        if self.__dict__.get("_traced"):
+            raise ConfigError(_COMPILE_MSG)
         native = self._native()
         native.__enter__()
-        if self.policy is None and self.report is None and not TLS.frames:
-            self._stack.append(native)  # the thin path: native autocast and nothing else
-            return self
         entered = _Entered(native)
         self._stack.append(entered)
         try:
@@ -143,7 +215,6 @@ class autocast:
             self._stack.pop()
             native.__exit__(None, None, None)
             raise
-        return self
 
     def _enter_machinery(self, entered: _Entered) -> None:
         tls = TLS
@@ -166,10 +237,14 @@ class autocast:
             entered.recorder.__enter__()
 
     def __exit__(self, exc_type: Any, exc: Any, tb: Any) -> None:
-        entered = self._stack.pop()
-        if not isinstance(entered, _Entered):
-            entered.__exit__(exc_type, exc, tb)
+        if not isinstance(self._stack[-1], _Entered):
+            self._stack.pop().__exit__(exc_type, exc, tb)
             return
+        self._exit_full(exc_type, exc, tb)
+
+    @torch.compiler.disable
+    def _exit_full(self, exc_type: Any, exc: Any, tb: Any) -> None:
+        entered = self._stack.pop()
         try:
             self._exit_machinery(entered, exc_type is None)
         finally:
@@ -216,8 +291,16 @@ class autocast:
 
         return wrapper  # type: ignore[return-value]
 
-    def _clone(self) -> autocast:
-        new = autocast.__new__(autocast)
+    def _clone(self) -> Any:
+        thin = self.policy is None and self.report is None and not TLS.frames
+        if thin and torch.compiler.is_compiling():
+            return torch.autocast(
+                self.device,
+                dtype=self.fast_dtype,
+                enabled=self.enabled,
+                cache_enabled=self.cache_enabled,
+            )
+        new = object.__new__(autocast)
         new.__dict__.update(self.__dict__)
         new._stack = []
         return new
