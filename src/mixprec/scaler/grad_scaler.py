@@ -86,7 +86,6 @@ class GradScaler(ClippingMixin, ScalerSignals):
     """
 
     __signature__ = SIGNATURE
-    _supports_closures = True  # step(optimizer, closure): see mixprec.scaler.closure
 
     # ------------------------------------------------------------------ scale
 
