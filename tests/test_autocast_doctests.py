@@ -1,0 +1,72 @@
+"""The docstring examples of mixprec.autocast run, and state containers round-trip."""
+
+from __future__ import annotations
+
+import copy
+import doctest
+import importlib
+import pickle
+
+import pytest
+import torch
+from torch import nn
+
+import mixprec
+from autocast_helpers import MLP
+
+MODULES = [
+    "mixprec.autocast._casting",
+    "mixprec.autocast._devices",
+    "mixprec.autocast._modules",
+    "mixprec.autocast._ops",
+    "mixprec.autocast.custom",
+    "mixprec.autocast.native",
+    "mixprec.autocast.policy",
+    "mixprec.autocast.region",
+    "mixprec.autocast.report",
+    "mixprec.autocast.rules",
+    "mixprec.autocast.table",
+]
+
+
+@pytest.mark.parametrize("name", MODULES)
+def test_docstring_examples_run(name: str) -> None:
+    module = importlib.import_module(name)
+    result = doctest.testmod(module, optionflags=doctest.ELLIPSIS)
+    assert result.failed == 0
+    assert result.attempted > 0, f"{name} has no runnable example"
+
+
+def test_policy_and_rule_round_trip_through_pickle_and_deepcopy() -> None:
+    policy = mixprec.Policy(
+        modules={nn.LayerNorm: "fp32", "enc.*": mixprec.Rule(torch.bfloat16, output="input")},
+        ops={torch.matmul: "promote", "aten::gelu": "low"},
+        strict=False,
+    )
+    for clone in (pickle.loads(pickle.dumps(policy)), copy.deepcopy(policy)):
+        assert clone == policy
+        assert str(clone) == str(policy)
+        assert clone.op_table == policy.op_table
+    rule = mixprec.Rule("fp32", output="low")
+    assert pickle.loads(pickle.dumps(rule)) == rule
+
+
+def test_model_with_rule_hooks_deepcopies_and_pickles() -> None:
+    torch.manual_seed(0)
+    model = MLP()
+    policy = mixprec.Policy(modules={nn.LayerNorm: "fp32"})
+    x = torch.randn(2, 16)
+    with mixprec.autocast("cpu", torch.bfloat16, policy=policy, report=True) as ac:
+        ref = model(x)
+    for clone in (copy.deepcopy(model), pickle.loads(pickle.dumps(model))):
+        with mixprec.autocast("cpu", torch.bfloat16, policy=policy, report=True) as ac2:
+            out = clone(x)
+        assert torch.equal(out, ref)
+        assert ac.report is not None and ac2.report is not None
+        assert ac2.report.rows == ac.report.rows
+    assert mixprec.autocast.__module__ == "mixprec.autocast.region"
+    from mixprec.autocast import detach_hooks
+
+    assert detach_hooks(model) == 1
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        assert model.norm(torch.randn(2, 32).bfloat16()).dtype == torch.bfloat16
