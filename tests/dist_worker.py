@@ -1,8 +1,9 @@
 """One rank of the 2-process gloo worlds that tests/test_distributed.py spawns.
 
-Usage: ``python dist_worker.py RANK WORLD_SIZE PORT OUTDIR SCENARIO [SCENARIO ...]``. Each scenario
-writes ``OUTDIR/<scenario>-<rank>.pt`` (a dict of plain values and tensors) that the test reads;
-the test process does all the asserting. Rank 0 also runs the single-process references.
+Usage: ``python dist_worker.py RANK WORLD_SIZE PORT_FILE OUTDIR SCENARIO [SCENARIO ...]``.
+Each scenario writes ``OUTDIR/<scenario>-<rank>.pt`` (a dict of plain values and tensors) that
+the test reads; the test process does all the asserting. Rank 0 also runs the single-process
+references.
 """
 
 from __future__ import annotations
@@ -10,6 +11,7 @@ from __future__ import annotations
 import math
 import pickle
 import sys
+import time
 import warnings
 from collections.abc import Callable
 from pathlib import Path
@@ -331,20 +333,40 @@ SCENARIOS: dict[str, Callable[[int], Any]] = {
 OUTDIR = Path(".")
 
 
+def rendezvous(rank: int, world: int, port_file: Path) -> dist.Store:
+    """A TCPStore on 127.0.0.1: rank 0 binds a free port itself (no race with other programs)
+    and publishes it in ``port_file``; the other ranks wait for the file."""
+    from datetime import timedelta
+
+    timeout = timedelta(seconds=30)
+    if rank == 0:
+        store = dist.TCPStore(
+            "127.0.0.1", 0, world, is_master=True, timeout=timeout, wait_for_workers=False
+        )
+        tmp = port_file.with_suffix(".tmp")
+        tmp.write_text(str(store.port))
+        tmp.rename(port_file)  # atomic: readers never see a half-written port
+        return store
+    deadline = time.monotonic() + timeout.total_seconds()
+    while not port_file.exists():
+        if time.monotonic() > deadline:
+            raise TimeoutError(f"rank 0 did not publish its port in {port_file}")
+        time.sleep(0.05)
+    port = int(port_file.read_text())
+    return dist.TCPStore("127.0.0.1", port, world, is_master=False, timeout=timeout)
+
+
 def main(argv: list[str]) -> None:
     global OUTDIR
     from datetime import timedelta
 
-    rank, world, port = (int(a) for a in argv[:3])
-    OUTDIR = Path(argv[3])
+    rank, world = int(argv[0]), int(argv[1])
+    port_file, OUTDIR = Path(argv[2]), Path(argv[3])
     torch.set_num_threads(1)
     warnings.simplefilter("ignore", UserWarning)  # FSDP's and DTensor's notes about CPU use
+    store = rendezvous(rank, world, port_file)
     dist.init_process_group(
-        "gloo",
-        init_method=f"tcp://127.0.0.1:{port}",
-        rank=rank,
-        world_size=world,
-        timeout=timedelta(seconds=30),
+        "gloo", store=store, rank=rank, world_size=world, timeout=timedelta(seconds=30)
     )
     try:
         for name in argv[4:]:

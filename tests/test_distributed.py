@@ -10,10 +10,10 @@ from __future__ import annotations
 import math
 import os
 import signal
-import socket
 import subprocess
 import sys
 import time
+import uuid
 from pathlib import Path
 from typing import Any
 
@@ -33,22 +33,17 @@ TIMEOUT_S = 60
 SPAWNED = ["ddp", "fsdp2", "fsdp2_fp16_policy", "fused", "fsdp1", "join", "clip", "ckpt_save"]
 
 
-def _free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return int(sock.getsockname()[1])
-
-
 def run_world(outdir: Path, scenarios: list[str]) -> list[dict[str, Any]]:
     """Run ``scenarios`` in one fresh 2-rank world; per scenario, both ranks' results."""
-    port = _free_port()
+    world_id = uuid.uuid4().hex[:8]
+    port_file = outdir / f"port-{world_id}.txt"  # rank 0 binds a free port and writes it here
     env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONWARNINGS": "ignore"}
     procs, logs = [], []
     try:
         for rank in range(WORLD):
-            log = open(outdir / f"log-{rank}-{port}.txt", "w")  # noqa: SIM115 (closed below)
+            log = open(outdir / f"log-{rank}-{world_id}.txt", "w")  # noqa: SIM115 (closed below)
             logs.append(log)
-            args = [sys.executable, str(WORKER), str(rank), str(WORLD), str(port), str(outdir)]
+            args = [sys.executable, str(WORKER), str(rank), str(WORLD), str(port_file), str(outdir)]
             procs.append(
                 subprocess.Popen(
                     [*args, *scenarios],

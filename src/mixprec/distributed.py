@@ -298,9 +298,10 @@ class DistState:
 
         Host sync: none.
         """
-        kept = [r for r in plan.low_precision if r.param.dtype == torch.float16]
-        if len(kept) != len(plan.low_precision):
-            plan = dataclasses.replace(plan, low_precision=kept)  # plans may be cached: copy
+        if plan.low_precision:  # (a comprehension over the empty list broke compile graphs)
+            kept = [r for r in plan.low_precision if r.param.dtype == torch.float16]
+            if len(kept) != len(plan.low_precision):
+                plan = dataclasses.replace(plan, low_precision=kept)  # plans may be cached: copy
         dtensor = _dtensor_type()
         if dtensor is None:  # torch.distributed not initialised: no DTensors
             return plan, self.group, self.group is not None
