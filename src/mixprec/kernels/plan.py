@@ -174,22 +174,36 @@ def _cacheable(plan: GradPlan) -> bool:
 
 def _current_grads(optimizer: torch.optim.Optimizer) -> list[torch.Tensor | None] | None:
     """Every param's grad, in order; None when a ``params`` entry is not a tensor."""
+    params = itertools.chain.from_iterable(group["params"] for group in optimizer.param_groups)
     try:
-        return [p.grad for group in optimizer.param_groups for p in group["params"]]
+        return list(map(_GRAD, params))
     except AttributeError:
         return None
 
 
+_GRAD = operator.attrgetter("grad")
+_IS_SPARSE = operator.attrgetter("is_sparse")
+_IS_CPU = operator.attrgetter("is_cpu")
+_DTYPE = operator.attrgetter("dtype")
+_DEVICE = operator.attrgetter("device")
+
+
 def _build_plan(optimizer: torch.optim.Optimizer, grads: list | None) -> GradPlan:
-    """The plan, without a per-parameter Python loop when every grad is dense and alike."""
+    """The plan, without a per-parameter Python loop when every grad is dense and alike.
+
+    Each test is one C-level ``map`` (about 50 ns per grad): sparse (which also fails on a
+    missing grad), dtype, device (``is_cpu`` first: creating device objects costs twice as much).
+    """
     if grads:
-        get = operator.attrgetter
-        # ``None in grads`` would call Tensor.__eq__ on every grad (slow): compare identities.
-        present = all(map(operator.is_not, grads, itertools.repeat(None)))
-        if present and not any(map(get("is_sparse"), grads)):
-            keys = set(zip(map(get("device"), grads), map(get("dtype"), grads), strict=True))
-            if len(keys) == 1:
-                key = keys.pop()
+        try:
+            sparse = any(map(_IS_SPARSE, grads))
+        except AttributeError:  # a grad is None
+            sparse = True
+        dtypes = set() if sparse else set(map(_DTYPE, grads))
+        if len(dtypes) == 1:
+            one_device = all(map(_IS_CPU, grads)) or len(set(map(_DEVICE, grads))) == 1
+            if one_device:
+                key = (grads[0].device, dtypes.pop())
                 plan = GradPlan(dense={key: grads})
                 if key[1] == torch.float16:
                     plan.low_precision = list(iter_params(optimizer))
