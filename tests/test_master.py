@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import copy
 import io
+import pickle
 from collections.abc import Callable
 from typing import Any
 
@@ -274,3 +275,13 @@ def test_lr_scheduler_works_on_a_converted_optimizer() -> None:
     _train(model, opt, mixprec.GradScaler(), 2)
     scheduler.step()
     assert opt.param_groups[0]["lr"] == 0.05
+
+
+def test_copying_or_pickling_a_converted_optimizer_is_refused_with_the_fix() -> None:
+    model = PeftLike()
+    opt = torch.optim.Adam(_trainable(model), lr=1e-2)
+    mixprec.MasterWeights(opt)
+    for copy_it in (copy.deepcopy, pickle.dumps, lambda o: torch.save(o, io.BytesIO())):
+        with pytest.raises(ConfigError, match=r"optimizer\.state_dict\(\)"):
+            copy_it(opt)
+    copy.deepcopy(model)  # the model itself copies as usual

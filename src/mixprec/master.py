@@ -24,7 +24,7 @@ of the same optimizer are left alone and cost nothing.
 from __future__ import annotations
 
 import types
-from collections.abc import Iterable, Iterator
+from collections.abc import Callable, Iterable, Iterator
 from typing import Any
 
 import torch
@@ -87,35 +87,29 @@ class MasterWeights:
         self.optimizer = optimizer
         self.dtypes = tuple(dtypes)
         self.pairs: list[tuple[torch.Tensor, torch.Tensor]] = []  # (low precision, master)
-        self._handles: list[RemovableHandle] = []
+        self._grad_handles: list[RemovableHandle] = []
         self._swap_in_masters()
-        self._handles += [
-            optimizer.register_step_post_hook(lambda *_: self.refresh()),
-            optimizer.register_state_dict_post_hook(self._add_to_state_dict),
-            optimizer.register_load_state_dict_pre_hook(self._take_from_state_dict),
-        ]
+        self._register_grad_hooks()
+        optimizer.register_step_post_hook(self._after_step)
+        optimizer.register_state_dict_post_hook(self._add_to_state_dict)
+        optimizer.register_load_state_dict_pre_hook(self._take_from_state_dict)
         optimizer._mixprec_master_weights = self  # type: ignore[attr-defined]
-        self._refresh_before_closures()
+        # with a closure (LBFGS, SAM) the masters move mid-step: refresh before each evaluation.
+        # Bound methods, as LR schedulers expect (they re-bind ``optimizer.step.__func__``);
+        # deepcopy/pickle re-bind them to the copy.
+        optimizer._mixprec_inner_step = optimizer.step  # type: ignore[attr-defined]
+        optimizer.step = types.MethodType(_step_refreshing, optimizer)  # type: ignore[method-assign]
+        # torch drops instance attributes and hooks when copying an optimizer: refuse loudly
+        for name in ("__deepcopy__", "__reduce_ex__"):
+            setattr(optimizer, name, types.MethodType(_refuse_copy, optimizer))
 
-    def _refresh_before_closures(self) -> None:
-        """Optimizers that evaluate a closure mid-step (LBFGS, SAM) move the masters first:
-        the model must run with the moved weights, so refresh before every evaluation."""
-        original = self.optimizer.step
-        masters = self
+    def _register_grad_hooks(self) -> None:
+        for low, master in self.pairs:
+            hook = _accumulate_into(master)
+            self._grad_handles.append(low.register_post_accumulate_grad_hook(hook))
 
-        def step(optimizer: _Optimizer, *args: Any, **kwargs: Any) -> Any:
-            call = split_closure(args, kwargs)
-            if call is None:
-                return original(*args, **kwargs)
-
-            def refreshed() -> Any:
-                masters.refresh()
-                return call.closure()
-
-            return call.invoke_with(original, refreshed)
-
-        # a bound method, as LR schedulers expect (they re-bind ``optimizer.step.__func__``)
-        self.optimizer.step = types.MethodType(step, self.optimizer)  # type: ignore[method-assign]
+    def _after_step(self, optimizer: _Optimizer, args: Any, kwargs: Any) -> None:
+        self.refresh()
 
     def _swap_in_masters(self) -> None:
         for group in self.optimizer.param_groups:
@@ -126,9 +120,6 @@ class MasterWeights:
                 group["params"][i] = master
                 self._move_state(param, master)
                 self.pairs.append((param, master))
-                self._handles.append(
-                    param.register_post_accumulate_grad_hook(self._grad_hook(master))
-                )
 
     def _move_state(self, param: torch.Tensor, master: torch.Tensor) -> None:
         state = self.optimizer.state.pop(param, None)
@@ -137,20 +128,6 @@ class MasterWeights:
                 k: v.float() if torch.is_tensor(v) and v.is_floating_point() else v
                 for k, v in state.items()
             }
-
-    @staticmethod
-    def _grad_hook(master: torch.Tensor) -> Any:
-        def hook(param: torch.Tensor) -> None:
-            grad = param.grad
-            assert grad is not None
-            with torch.no_grad():
-                if master.grad is None:
-                    master.grad = grad.float()
-                else:
-                    master.grad.add_(grad)
-            param.grad = None
-
-        return hook
 
     def parameters(self) -> Iterator[torch.Tensor]:
         """Every parameter the optimizer steps (masters in place of low-precision ones).
@@ -209,3 +186,44 @@ class MasterWeights:
                     master.copy_(value)
         self.refresh()
         return state_dict
+
+
+def _accumulate_into(master: torch.Tensor) -> Callable[[torch.Tensor], None]:
+    """A post-accumulate-grad hook: add the low-precision grad into ``master.grad``, free it."""
+
+    def hook(param: torch.Tensor) -> None:
+        grad = param.grad
+        assert grad is not None
+        with torch.no_grad():
+            if master.grad is None:
+                master.grad = grad.float()
+            else:
+                master.grad.add_(grad)
+        param.grad = None
+
+    return hook
+
+
+def _step_refreshing(optimizer: _Optimizer, *args: Any, **kwargs: Any) -> Any:
+    """``step`` of a converted optimizer: a closure sees the model refreshed from the masters."""
+    step = optimizer._mixprec_inner_step  # type: ignore[attr-defined]
+    masters = getattr(optimizer, "_mixprec_master_weights", None)
+    call = split_closure(args, kwargs)
+    if call is None or masters is None:
+        return step(*args, **kwargs)
+
+    def refreshed() -> Any:
+        masters.refresh()
+        return call.closure()
+
+    return call.invoke_with(step, refreshed)
+
+
+def _refuse_copy(optimizer: _Optimizer, *args: Any) -> Any:
+    raise ConfigError(
+        f"This {type(optimizer).__name__} was converted by mixprec.MasterWeights and cannot be "
+        "deep-copied or pickled: torch would drop the hooks that feed and refresh the masters, "
+        "and the copy would silently stop training the low-precision parameters. Checkpoint "
+        "with optimizer.state_dict() (it carries the fp32 masters) and load it into a freshly "
+        "converted optimizer."
+    )
