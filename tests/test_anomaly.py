@@ -172,3 +172,10 @@ def test_bad_arguments_are_refused() -> None:
         mixprec.find_nonfinite(object())  # type: ignore[arg-type]
     with pytest.raises(mixprec.ConfigError, match="warn_within"):
         mixprec.find_nonfinite(_model(), warn_within=0.5)
+
+
+def test_empty_outputs_are_ignored() -> None:
+    model = nn.Sequential(nn.Linear(4, 4), nn.ReLU())
+    with mixprec.find_nonfinite(model) as finder:
+        model(torch.randn(0, 4))  # an empty batch
+    assert finder.report is None

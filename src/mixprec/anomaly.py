@@ -85,7 +85,7 @@ class _Tag:
 
 def _float_tensors(value: Any) -> Iterator[torch.Tensor]:
     if isinstance(value, torch.Tensor):
-        if value.is_floating_point():
+        if value.is_floating_point() and value.layout == torch.strided and value.numel():
             yield value
     elif isinstance(value, Mapping):
         for v in value.values():
@@ -103,7 +103,7 @@ def _stats(tensors: list[torch.Tensor]) -> list[tuple[bool, float]]:
             t = t.detach()
             bad = torch.logical_not(torch.isfinite(t).all()).float()
             biggest = torch.nan_to_num(t.abs().float(), nan=0.0, posinf=0.0).amax()
-            rows.append(torch.stack([bad, biggest.to(bad.device)]).cpu())
+            rows.append(torch.stack([bad, biggest]).to(tensors[0].device, non_blocking=True))
     return [(bool(b), float(m)) for b, m in torch.stack(rows).tolist()]
 
 
