@@ -182,13 +182,13 @@ def main(argv: list[str] | None = None) -> int:
         return 0
     start = time.perf_counter()
     lines = [f"# mixprec GPU check ({device})", ""]
-    lines.append(bench.header(device, bench.FULL) + "\n")
+    sizes = bench.Sizes(bench.FULL.big, bench.FULL.small, bench.FULL.mlp, args.repeat, 2)
+    lines.append(bench.header(device, sizes) + "\n")
     rows, ok = differential(device)
     lines += ["## 1. Differential core against torch.amp", "", *rows, ""]
     print("\n".join(lines), flush=True)
     more: list[str] = []
     if device.type == "cuda":
-        sizes = bench.Sizes(bench.FULL.big, bench.FULL.small, bench.FULL.mlp, args.repeat, 2)
         section = ["## 2. Benchmarks", "", bench.table(bench.run_suite(sizes, device)), ""]
         print("\n".join(section), flush=True)
         more += section
