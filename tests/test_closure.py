@@ -335,3 +335,44 @@ def test_closure_that_never_scales_is_an_error_naming_the_fix() -> None:
     with pytest.raises(ScalerStateError, match=r"scaler\.scale\(loss\)\.backward\(\)"):
         mixprec.GradScaler().step(opt, _closure(model, opt, None))
     _assert_same(before, _snapshot(model, opt))
+
+
+class SAMBothPasses(SAM):
+    """A SAM whose ``step(closure)`` evaluates the closure for both passes."""
+
+    def step(self, closure: Any = None) -> None:  # type: ignore[override]
+        with torch.enable_grad():
+            closure()
+        super().step(closure)
+
+
+def _sam_both_passes(scaler: Any, steps: int, inject: dict[int, int]) -> Any:
+    torch.manual_seed(2)
+    model = nn.Sequential(nn.Linear(8, 16), nn.Tanh(), nn.Linear(16, 1))
+    opt = SAMBothPasses(model.parameters(), torch.optim.SGD, rho=0.05, lr=0.1, momentum=0.9)
+    for step in range(steps):
+        calls = [0]
+
+        def closure(step: int = step, calls: list[int] = calls) -> torch.Tensor:
+            calls[0] += 1
+            opt.zero_grad()
+            loss = F.mse_loss(model(A), B)
+            loss = loss * float("inf") if inject.get(step) == calls[0] else loss
+            (loss if scaler is None else scaler.scale(loss)).backward()
+            return loss
+
+        if scaler is None:
+            opt.step(closure)
+        else:
+            scaler.step(opt, closure)
+            scaler.update()
+    return model, opt
+
+
+@pytest.mark.parametrize("pass_", [1, 2])
+def test_sam_that_evaluates_both_passes_needs_no_unscale(pass_: int) -> None:
+    plain = _sam_both_passes(None, 3, {})
+    scaler = mixprec.GradScaler()
+    skipped = _sam_both_passes(scaler, 4, {1: pass_})
+    assert scaler.stats().steps_skipped == 1
+    _assert_same(_sam_state(*plain), _sam_state(*skipped))

@@ -114,7 +114,13 @@ def _leaf_most(names: list[str]) -> list[str]:
 
 
 class NonFiniteFinder:
-    """Hooks a model while active; see :func:`find_nonfinite`."""
+    """Hooks a model while active; see :func:`find_nonfinite`.
+
+    Attributes:
+        report: the first :class:`NonFiniteReport`, or None.
+        near_overflow: module name -> largest fp16 output magnitude above the ``warn_within``
+            threshold.
+    """
 
     def __init__(self, model: nn.Module, warn_within: float | None, raise_on_first: bool):
         if not isinstance(model, nn.Module):

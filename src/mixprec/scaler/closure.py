@@ -45,18 +45,27 @@ class ClosureCall:
     keyword: bool
 
     def invoke(self, optimizer: _Optimizer, wrapped: Callable[[], Any]) -> Any:
-        """``optimizer.step`` with ``wrapped`` where the user's closure was."""
+        """``optimizer.step`` with ``wrapped`` where the user's closure was.
+
+        Host sync: whatever the optimizer and the closure do.
+        """
         return self.invoke_with(optimizer.step, wrapped)
 
     def invoke_with(self, step: Callable[..., Any], wrapped: Callable[[], Any]) -> Any:
-        """``step(...)`` with ``wrapped`` where the user's closure was."""
+        """``step(...)`` with ``wrapped`` where the user's closure was.
+
+        Host sync: whatever ``step`` and the closure do.
+        """
         if self.keyword:
             return step(*self.args, closure=wrapped, **self.kwargs)
         return step(wrapped, *self.args, **self.kwargs)
 
 
 def split_closure(args: tuple[Any, ...], kwargs: dict[str, Any]) -> ClosureCall | None:
-    """The closure passed to ``step`` (``closure=`` or first positional), or None."""
+    """The closure passed to ``step`` (``closure=`` or first positional), or None.
+
+    Host sync: none.
+    """
     if kwargs.get("closure") is not None:
         rest = {k: v for k, v in kwargs.items() if k != "closure"}
         return ClosureCall(kwargs["closure"], args, rest, keyword=True)
