@@ -285,3 +285,23 @@ def test_copying_or_pickling_a_converted_optimizer_is_refused_with_the_fix() -> 
         with pytest.raises(ConfigError, match=r"optimizer\.state_dict\(\)"):
             copy_it(opt)
     copy.deepcopy(model)  # the model itself copies as usual
+
+
+def test_master_weights_track_a_pure_fp32_run() -> None:
+    """Against fp32 without autocast: fp16 arithmetic differs, so close, not equal."""
+    low = PeftLike()
+    ref = copy.deepcopy(low).float()
+    low_opt = torch.optim.AdamW(_trainable(low), lr=1e-2)
+    ref_opt = torch.optim.AdamW(_trainable(ref), lr=1e-2)
+    masters = mixprec.MasterWeights(low_opt)
+    _train(low, low_opt, mixprec.GradScaler(), 30)
+    for _ in range(30):
+        ref_opt.zero_grad()
+        F.mse_loss(ref(X), Y).backward()
+        ref_opt.step()
+    for (_, master), p in zip(masters.pairs, [ref.head.weight, ref.head.bias], strict=True):
+        torch.testing.assert_close(master, p, rtol=0, atol=2e-2)
+    with torch.no_grad():
+        assert F.mse_loss(low.float()(X), Y).item() == pytest.approx(
+            F.mse_loss(ref(X), Y).item(), rel=0.1
+        )
