@@ -1,0 +1,103 @@
+"""Uneven inputs: shadow iterations for ``torch.distributed.algorithms.Join``."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+from torch.distributed.algorithms.join import Joinable, JoinHook
+
+from mixprec.distributed.agree import agree_found_inf_, comm_device
+from mixprec.errors import ConfigError
+from mixprec.scaler.phases import OptState
+
+__all__ = ["JoinableScaler"]
+
+
+class JoinableScaler(Joinable):
+    """Lets a GradScaler take part in ``torch.distributed.algorithms.Join`` (uneven inputs).
+
+    A rank that runs out of batches stops calling ``update()``; without help its growth counter
+    and scale fall behind the others' (pytorch#90057). Inside ``Join([model, JoinableScaler(s)])``
+    each iteration a joined rank still runs while others train becomes a *shadow iteration*: it
+    takes part in the same number of found-inf all-reduces as a training rank (with 0) and calls
+    ``update()`` with the agreed flag, so scale, growth counter and counters stay identical on
+    every rank. The scaler must have been built with ``process_group=`` the join's group (DDP's,
+    usually ``torch.distributed.group.WORLD``). List the model first: the first joinable signals
+    the context each iteration, before its own collectives. A shadow iteration issues as many
+    all-reduces as the joined rank's last real iteration did (one per optimizer), so every
+    iteration must step the same optimizers.
+
+    Args:
+        scaler: the :class:`~mixprec.GradScaler` (enabled, with a process group).
+
+    Raises:
+        ConfigError: the scaler has no ``process_group``.
+
+    Example:
+        >>> import torch.distributed as dist, mixprec
+        >>> from mixprec.distributed import JoinableScaler
+        >>> dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
+        >>> scaler = mixprec.GradScaler(process_group=dist.group.WORLD)
+        >>> JoinableScaler(scaler).join_process_group is dist.group.WORLD
+        True
+        >>> dist.destroy_process_group()
+
+    Host sync: none at construction; a joined rank reads each shadow iteration's flag.
+    """
+
+    def __init__(self, scaler: Any) -> None:
+        super().__init__()
+        group = scaler._dist.group
+        if group is None:
+            raise ConfigError(
+                "JoinableScaler needs a scaler that agrees across ranks: build it with "
+                "GradScaler(..., process_group=torch.distributed.group.WORLD) (the same group as "
+                "the DDP model's)."
+            )
+        self._scaler = scaler
+        self._group = group
+        scaler._dist.joinable = self
+
+    def join_hook(self, **kwargs: Any) -> JoinHook:
+        """The hook that runs shadow iterations. Host sync: none."""
+        return _ScalerJoinHook(self._scaler, self._group, self.join_device)
+
+    @property
+    def join_device(self) -> torch.device:
+        """Where the join context's own all-reduces run. Host sync: none."""
+        scale = self._scaler._get_scale_async()
+        device = scale.device if scale is not None else torch.device("cpu")
+        return comm_device(self._group, device)
+
+    @property
+    def join_process_group(self) -> Any:
+        """The scaler's process group. Host sync: none."""
+        return self._group
+
+
+class _ScalerJoinHook(JoinHook):
+    def __init__(self, scaler: Any, group: Any, device: torch.device) -> None:
+        self._scaler = scaler
+        self._group = group
+        self._device = device
+        self._keys = [object()]
+
+    def main_hook(self) -> None:
+        """One shadow iteration: the training ranks' all-reduces with 0, then ``update()``."""
+        scaler = self._scaler
+        state = scaler._lazy_init(self._device)
+        count = max(1, scaler._dist.last_collectives)
+        while len(self._keys) < count:
+            self._keys.append(object())
+        for key in self._keys[:count]:
+            agreed = agree_found_inf_(torch.zeros((), device=state.scale.device), self._group)
+            record = scaler._phases.get(key)
+            record.found_inf_per_device = {agreed.device: agreed}
+            record.stage = OptState.STEPPED
+            record.skipped = bool(agreed.item() != 0)
+        scaler._dist.collectives = count
+        scaler.update()
+
+    def post_hook(self, is_last_joiner: bool) -> None:
+        """Nothing to do: every shadow iteration already kept the state in step."""
