@@ -67,6 +67,7 @@ def train(
     poison_at: set[int],
     iters: range,
     unscale: bool = False,
+    clip: float | None = None,
 ) -> dict[str, Any]:
     """The training loop every scenario uses; records scale and skip per iteration."""
     scales, skipped = [], []
@@ -78,6 +79,8 @@ def train(
             poison_(next(model.parameters()).grad)
         if unscale:
             scaler.unscale_(opt)
+        if clip is not None:
+            scaler.clip_grad_norm_(opt, clip)
         before = steps_taken(opt)
         scaler.step(opt)
         scaler.update()
@@ -278,14 +281,19 @@ def scenario_join(rank: int) -> dict[str, Any]:
     from torch.distributed.algorithms.join import Join
     from torch.nn.parallel import DistributedDataParallel as DDP
 
-    model = DDP(make_model())
-    opt = torch.optim.Adam(model.parameters(), lr=1e-2)
-    scaler = scaler_for(dist.group.WORLD)
-    poison = {5} if rank == 1 else set()
-    with Join([model, JoinableScaler(scaler)]):
-        iters = range(3 if rank == 0 else ITERS)
-        out = train(model, opt, scaler, lambda it: batch(rank, it), poison, iters)
-    return record(scaler, out, history_len=scaler.stats().iterations)
+    result = {}
+    for clip in (None, 1.0):  # shadow iterations replay a found-inf MAX, or a clipping's norm
+        model = DDP(make_model())
+        opt = torch.optim.Adam(model.parameters(), lr=1e-2)
+        scaler = scaler_for(dist.group.WORLD)
+        poison = {5} if rank == 1 else set()
+        with Join([model, JoinableScaler(scaler)]):
+            iters = range(3 if rank == 0 else ITERS)
+            data = lambda it: batch(rank, it)  # noqa: E731
+            out = train(model, opt, scaler, data, poison, iters, clip=clip)
+        name = "plain" if clip is None else "clip"
+        result[name] = record(scaler, out, history_len=scaler.stats().iterations)
+    return result
 
 
 def _ddp_setup() -> tuple[nn.Module, torch.optim.Optimizer]:

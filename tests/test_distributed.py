@@ -169,8 +169,10 @@ def test_fsdp2_fp16_policy_and_fsdp1_low_precision_grads(world: list) -> None:
 
 
 @pytest.mark.slow
-def test_join_keeps_scale_and_counters_equal_with_uneven_inputs(world: list) -> None:
-    short, long = (w["join"] for w in world)
+@pytest.mark.parametrize("variant", ["plain", "clip"])
+def test_join_keeps_scale_and_counters_equal_with_uneven_inputs(world: list, variant: str) -> None:
+    """Rank 0 has 3 batches, rank 1 has 8; with scaler.clip_grad_norm_ in the ``clip`` variant."""
+    short, long = (w["join"][variant] for w in world)
     assert len(short["scales"]) == 3 and len(long["scales"]) == 8
     assert long["skipped"][5]  # after rank 0 joined: its shadow iteration backs off too
     assert short["state"] == long["state"]

@@ -156,16 +156,16 @@ class DistState:
 
     Attributes:
         group: the explicit process group, or None (then only DTensor grads trigger agreement).
-        collectives: found-inf all-reduces issued since the last ``update()``.
-        last_collectives: the same count for the previous iteration (Join's shadow iterations
-            repeat it).
-        total_collectives: all found-inf all-reduces this scaler issued (for measurements).
+        issued: the all-reduces issued since the last ``update()``, in order: ``0.0`` for a
+            found-inf MAX, ``p`` for the norm all-reduce of a clipping (``p`` > 0 or inf).
+        last_issued: the same for the previous iteration (Join's shadow iterations replay it).
+        total_collectives: all all-reduces this scaler issued (for measurements).
         joinable: the :class:`JoinableScaler` wrapping the scaler, if any.
     """
 
     group: Any = None
-    collectives: int = 0
-    last_collectives: int = 0
+    issued: list[float] = field(default_factory=list)
+    last_issued: list[float] = field(default_factory=list)
     total_collectives: int = 0
     joinable: Any = field(default=None, repr=False)
 
@@ -208,10 +208,7 @@ class DistState:
 
         Host sync: as :func:`agree_found_inf_`.
         """
-        if self.joinable is not None:
-            from torch.distributed.algorithms.join import Join
-
-            Join.notify_join_context(self.joinable)
+        self._issue(0.0)
         flags = list(found_inf_per_device.values())
         # Reduce where the flags are (CPU-offloaded grads: on the CPU), then move the result.
         where = {flag.device for flag in flags}
@@ -220,14 +217,34 @@ class DistState:
         for flag in flags:
             total = total + flag.to(source, non_blocking=True)
         agreed = agree_found_inf_((total != 0).to(torch.float32), group).to(device)
-        self.collectives += 1
-        self.total_collectives += 1
         if flags:
             found_inf_per_device.clear()
             found_inf_per_device[torch.device(device)] = agreed
 
+    def reduce_norm_(self, local_norm: torch.Tensor, norm_type: float, group: Any) -> torch.Tensor:
+        """:func:`~mixprec.distributed.all_reduce_norm_`, logged (the clipping path's one
+        all-reduce, which is also its found-inf agreement).
+
+        Host sync: as :func:`agree_found_inf_`.
+        """
+        from mixprec.distributed.norms import all_reduce_norm_
+
+        self._issue(float(norm_type))
+        return all_reduce_norm_(local_norm, norm_type, group)
+
+    def _issue(self, kind: float) -> None:
+        if self.joinable is not None and not self.issued:  # once, before the first of them
+            from torch.distributed.algorithms.join import Join
+
+            Join.notify_join_context(self.joinable)
+        self.issued.append(kind)
+        self.total_collectives += 1
+
     def end_iteration(self) -> None:
-        """Called by ``update()``: remember this iteration's collective count."""
-        if self.collectives:
-            self.last_collectives = self.collectives
-        self.collectives = 0
+        """Called by ``update()``: remember this iteration's all-reduces.
+
+        Host sync: none.
+        """
+        if self.issued:
+            self.last_issued = self.issued
+        self.issued = []

@@ -8,6 +8,7 @@ import torch
 from torch.distributed.algorithms.join import Joinable, JoinHook
 
 from mixprec.distributed.agree import agree_found_inf_, comm_device
+from mixprec.distributed.norms import all_reduce_norm_
 from mixprec.errors import ConfigError
 from mixprec.scaler.phases import OptState
 
@@ -25,8 +26,9 @@ class JoinableScaler(Joinable):
     every rank. The scaler must have been built with ``process_group=`` the join's group (DDP's,
     usually ``torch.distributed.group.WORLD``). List the model first: the first joinable signals
     the context each iteration, before its own collectives. A shadow iteration issues as many
-    all-reduces as the joined rank's last real iteration did (one per optimizer), so every
-    iteration must step the same optimizers.
+    all-reduces, of the same kinds, as the joined rank's last real iteration did (one per
+    optimizer: a found-inf MAX, or the norm of ``scaler.clip_grad_norm_``), so every iteration
+    must check the same optimizers the same way.
 
     Args:
         scaler: the :class:`~mixprec.GradScaler` (enabled, with a process group).
@@ -86,17 +88,22 @@ class _ScalerJoinHook(JoinHook):
     def main_hook(self) -> None:
         """One shadow iteration: the training ranks' all-reduces with 0, then ``update()``."""
         scaler = self._scaler
-        state = scaler._lazy_init(self._device)
-        count = max(1, scaler._dist.last_collectives)
-        while len(self._keys) < count:
+        device = scaler._lazy_init(self._device).scale.device
+        kinds = scaler._dist.last_issued or [0.0]
+        while len(self._keys) < len(kinds):
             self._keys.append(object())
-        for key in self._keys[:count]:
-            agreed = agree_found_inf_(torch.zeros((), device=state.scale.device), self._group)
+        for key, kind in zip(self._keys, kinds, strict=False):  # keys may be more
+            zero = torch.zeros((), device=device)
+            if kind == 0.0:  # a found-inf agreement
+                agreed = agree_found_inf_(zero, self._group)
+            else:  # a clipping's norm: the flag is its non-finiteness
+                total = all_reduce_norm_(zero, kind, self._group)
+                agreed = torch.logical_not(torch.isfinite(total)).to(torch.float32)
             record = scaler._phases.get(key)
             record.found_inf_per_device = {agreed.device: agreed}
             record.stage = OptState.STEPPED
             record.skipped = bool(agreed.item() != 0)
-        scaler._dist.collectives = count
+        scaler._dist.issued = list(kinds)
         scaler.update()
 
     def post_hook(self, is_last_joiner: bool) -> None:

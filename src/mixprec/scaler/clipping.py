@@ -14,7 +14,6 @@ from typing import Any
 
 import torch
 
-from mixprec.distributed import all_reduce_norm_
 from mixprec.errors import ConfigError, LowPrecisionGradError, ScalerStateError
 from mixprec.kernels import clip
 from mixprec.kernels.plan import GradPlan, plan_grads
@@ -90,7 +89,7 @@ class ClippingMixin(ScalerCore):
         record, plan, group = self._plan_for_clip(optimizer, "clip_grad_norm_")
         reduce = None  # sharded grads: the global norm, one all-reduce (mixprec.distributed)
         if group is not None:
-            reduce = functools.partial(all_reduce_norm_, norm_type=norm_type, group=group)
+            reduce = functools.partial(self._dist.reduce_norm_, norm_type=norm_type, group=group)
         total = clip.clip_grad_norm_(
             plan,
             self._get_inv_scale(),
