@@ -113,6 +113,8 @@ def plan_grads(optimizer: torch.optim.Optimizer) -> GradPlan:
 
     Host sync: none.
     """
+    if torch.compiler.is_compiling():  # the cache and the flat views read storage addresses,
+        return _build_plan_slow(optimizer)  # which dynamo cannot trace: plain per-group plan
     grads = _current_grads(optimizer)
     cached = _CACHE.get(optimizer)
     if cached is not None and grads is not None and cached.matches(grads):

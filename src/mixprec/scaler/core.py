@@ -54,7 +54,7 @@ class ScalerCore:
         self._inv_scale: torch.Tensor | None = None
         self._history = History(history)
         self._hooks = OrderedDict()
-        self._iteration = 0
+        self._iteration: int | None = 0  # None: only the device counters know (see below)
         self._step_skips: dict[int, torch.Tensor] = {}
         self._last_iteration_skip: torch.Tensor | None = None
         self._warned: set[str] = set()
@@ -83,6 +83,46 @@ class ScalerCore:
         if self._state is None:
             raise ScalerStateError(diagnostics.no_scale_message(method))
         return self._state
+
+    def reset_iteration(self) -> None:
+        """Abandon the current iteration after an exception: every optimizer is READY again.
+
+        Use it when something raised between ``scale()`` and ``update()`` (the loss, a clipping
+        function, ``optimizer.step``) and the batch is to be skipped: the scale, the growth
+        tracker and the counters are left as they were, as if the iteration never happened.
+        The gradients are not touched: zero them (``optimizer.zero_grad()``) before the next
+        backward, since they may be scaled, unscaled or half-stepped. Call ``update()`` instead
+        to count the iteration. A no-op between iterations and when disabled.
+
+        Example:
+            >>> import torch, mixprec
+            >>> model = torch.nn.Linear(2, 1)
+            >>> opt = torch.optim.SGD(model.parameters(), lr=0.1)
+            >>> scaler = mixprec.GradScaler()
+            >>> scaler.scale(model(torch.ones(1, 2)).sum()).backward()
+            >>> scaler.unscale_(opt)
+            >>> scaler.reset_iteration()  # e.g. in an ``except`` around the training step
+            >>> opt.zero_grad()
+
+        Host sync: none.
+        """
+        self._end_iteration()
+
+    def _next_iteration(self, state: ScaleState) -> int:
+        """The number of the update being applied (``state.counters`` already counts it).
+
+        Under ``torch.compile``, reading a Python counter makes dynamo guard on its value, which
+        recompiles every iteration. When no hook or history needs the number there, the host
+        copy is dropped (``-1`` is returned, seen by nobody) and re-read from the device
+        counters by the next eager update.
+        """
+        if torch.compiler.is_compiling() and not self._hooks and not self._history.capacity:
+            self._iteration = None
+            return -1
+        if self._iteration is None:
+            self._iteration = int(state.counters[0].item()) - 1
+        self._iteration += 1
+        return self._iteration
 
     def _end_iteration(self) -> None:
         self._dist.end_iteration()

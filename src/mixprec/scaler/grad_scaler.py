@@ -218,12 +218,13 @@ class GradScaler(ClippingMixin, ScalerSignals):
             return self._step_fused(optimizer, record, args, kwargs)
         if record.stage is OptState.READY:
             self._unscale_into(optimizer, record)
+            if not record.found_inf_per_device:  # no grad: nothing was done, stay READY so
+                record.stage = OptState.READY  # a retry after backward() unscales (as fused)
         found_inf = self._sum_found_inf(record, optimizer)
         self._note_step(optimizer, found_inf)
         record.skipped = bool(found_inf.item() != 0)
-        result = None if record.skipped else optimizer.step(*args, **kwargs)
-        record.stage = OptState.STEPPED
-        return result
+        record.stage = OptState.STEPPED  # before the call: if it raises, a retry is refused
+        return None if record.skipped else optimizer.step(*args, **kwargs)
 
     def _sum_found_inf(self, record: OptimizerRecord, optimizer: _Optimizer) -> torch.Tensor:
         found = list(record.found_inf_per_device.values())
@@ -325,6 +326,8 @@ class GradScaler(ClippingMixin, ScalerSignals):
             self._check_update_optimizer(new_scale)
             new_scale = None
         state = self._require_state("update")
+        if new_scale is not None:  # a bad value raises before the iteration ends (as torch)
+            validated_new_scale(new_scale, state.scale.device, self._config)
         try:
             if new_scale is not None:
                 self._set_scale(state, new_scale)
@@ -372,10 +375,10 @@ class GradScaler(ClippingMixin, ScalerSignals):
         skipped = [r.skipped for r in records]
         overflow = None if None in skipped else any(skipped)
         self._mirror.advance(state, overflow, self._config)
-        self._iteration += 1
-        event = UpdateEvent(self._iteration, state.scale, total, total != 0)
+        iteration = self._next_iteration(state)  # compile-safe, see ScalerCore._next_iteration
+        event = UpdateEvent(iteration, state.scale, total, total != 0)
         self._last_iteration_skip = event.skipped
-        self._history.record(self._iteration, used_scale, event.skipped)
+        self._history.record(iteration, used_scale, event.skipped)
         for hook in list(self._hooks.values()):
             hook(self, event)
         self._watch(state, records)

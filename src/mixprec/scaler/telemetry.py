@@ -61,6 +61,18 @@ class HostMirror:
         self.exact: HostScale | None = HostScale(scale, growth_tracker, overflow_streak)
         self.lower_bound = scale
 
+    @property
+    def lower_bound(self) -> float:
+        """A value the scale is known to be >= (exact when :attr:`exact` is set)."""
+        return self._lower_bound
+
+    @lower_bound.setter
+    def lower_bound(self, value: float) -> None:
+        self._lower_bound = value
+        # Kept as a bool for code that torch.compile traces: dynamo guards on what it reads,
+        # and a bool has two values where the bound has one per scale (one recompile each).
+        self._below_one = not value >= 1.0 or math.isnan(value)
+
     def resync(self, state: ScaleState) -> HostScale:
         """Read the device state (one host sync off the CPU) and make the mirror exact."""
         values = torch.stack(
@@ -71,8 +83,17 @@ class HostMirror:
         return self.exact
 
     def advance(self, state: ScaleState, overflow: bool | None, config: ScalerConfig) -> None:
-        """Follow one update: exactly if ``overflow`` is known or the state lives on the CPU."""
-        if state.scale.device.type == "cpu":
+        """Follow one update: exactly if ``overflow`` is known or the state lives on the CPU.
+
+        Under ``torch.compile`` the mirror neither reads the device (``tolist`` would break the
+        graph) nor follows the rule on Python numbers (dynamo would guard on their values and
+        recompile every iteration): it forgets the scale, keeping only the floor as a bound,
+        until something outside the compiled region reads the device again.
+        """
+        if torch.compiler.is_compiling():
+            self.exact = None
+            self.lower_bound = config.floor
+        elif state.scale.device.type == "cpu":
             self.resync(state)
         elif overflow is not None and self.exact is not None:
             self.exact = self.exact.advance(overflow, config)
@@ -96,7 +117,7 @@ class HostMirror:
     @property
     def scale_may_be_below_one(self) -> bool:
         """True unless the host can prove ``scale >= 1`` (then ``1/scale`` cannot overflow)."""
-        return not self.lower_bound >= 1.0 or math.isnan(self.lower_bound)
+        return self._below_one
 
 
 @dataclass(frozen=True)
