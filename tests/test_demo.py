@@ -19,7 +19,7 @@ import torch
 from mixprec.cli import main
 from mixprec.cli._progress import Progress
 
-STEPS, INJECT = 60, 30
+STEPS, INJECT = 40, 20
 
 
 def _run(argv: list[str]) -> tuple[int, str, str]:
@@ -88,14 +88,13 @@ def test_figure_is_a_valid_png(demo: dict[str, Any]) -> None:
     assert float(image[..., :3].std()) > 0.01  # not a blank canvas
 
 
-def test_table_and_bfloat16(tmp_path: Path) -> None:
+def test_table_and_bfloat16() -> None:
     code, out, err = _run(
-        ["demo", "--steps", "8", "--dtype", "bfloat16", "--no-progress", "--out", str(tmp_path)]
+        ["demo", "--steps", "8", "--dtype", "bfloat16", "--no-progress", "--no-plot"]
     )
     assert code == 0, err
     assert "run" in out and "grads flushed" in out and "bf16 + GradScaler" in out
-    assert "exponent range" in out
-    assert (tmp_path / "mixprec-demo.png").is_file()
+    assert "exponent range" in out and "Figure:" not in out
 
 
 def test_python_dash_m_runs_the_cli(tmp_path: Path) -> None:
