@@ -1,20 +1,22 @@
 """Overhead of mixprec.autocast against native torch.autocast on a small MLP training step.
 
-All configurations run side by side in one process, interleaved round-robin after a warm-up (so
-load drift hits all of them alike); each prints the median (and minimum) microseconds per step and
-the ratio of medians to native ``torch.autocast``. Threads are pinned.
+All configurations run side by side in one process: after a warm-up, each round runs every
+configuration for a few steps in a shuffled order. Printed per configuration: the median
+microseconds per step, the ratio of medians to native ``torch.autocast``, and the median of the
+per-round ratios (paired, so load drift on a shared machine cancels). Threads are pinned.
 
 Rules change the arithmetic (an fp32 LayerNorm costs more than a bf16 one), so each rule
 configuration is also compared with a hand-written native equivalent doing the same arithmetic
 (``torch.autocast(enabled=False)`` plus casts inside the module), which isolates mixprec's own cost.
 
-Run: ``python benchmarks/bench_autocast.py [--rounds 15] [--iters 100] [--size tiny|medium]``.
+Run: ``python benchmarks/bench_autocast.py [--rounds 200] [--iters 10] [--size tiny|medium]``.
 """
 
 from __future__ import annotations
 
 import argparse
 import copy
+import random
 import statistics
 import time
 from collections.abc import Callable
@@ -109,42 +111,60 @@ def run_steps(
     return (time.perf_counter() - start) / iters * 1e6
 
 
+def measure(
+    cfgs: dict[str, tuple[nn.Module, Callable[[], Any]]],
+    x: torch.Tensor,
+    y: torch.Tensor,
+    rounds: int,
+    iters: int,
+) -> dict[str, list[float]]:
+    """Per-round times; each round runs every configuration once, in a shuffled order."""
+    for model, ctx in cfgs.values():  # warm-up (also attaches the rule hooks)
+        run_steps(model, ctx, x, y, max(3, iters))
+    times: dict[str, list[float]] = {name: [] for name in cfgs}
+    order = list(cfgs)
+    rng = random.Random(0)
+    for _ in range(rounds):
+        rng.shuffle(order)
+        for name in order:
+            model, ctx = cfgs[name]
+            times[name].append(run_steps(model, ctx, x, y, iters))
+    return times
+
+
+def report(times: dict[str, list[float]]) -> None:
+    """Medians, and medians of per-round (paired) ratios, which cancel slow load drift."""
+    base = times["torch.autocast"]
+    print(f"{'configuration':40s} {'median us':>10s} {'ratio':>7s} {'paired ratio':>13s}")
+    rule: list[float] = base
+    for name, samples in times.items():
+        paired = statistics.median(s / b for s, b in zip(samples, base, strict=True))
+        med = statistics.median(samples)
+        line = f"{name:40s} {med:10.1f} {med / statistics.median(base):7.3f} {paired:13.3f}"
+        if name.startswith("  "):  # hand-written native equivalent of the rule above it
+            own = statistics.median(r / h for r, h in zip(rule, samples, strict=True))
+            line += f"   mixprec rule / hand-written (paired): {own:.3f}"
+        else:
+            rule = samples
+        print(line)
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__)
-    parser.add_argument("--rounds", type=int, default=15)
-    parser.add_argument("--iters", type=int, default=100)
+    parser.add_argument("--rounds", type=int, default=200)
+    parser.add_argument("--iters", type=int, default=10)
     parser.add_argument("--size", choices=["tiny", "medium"], default="tiny")
     parser.add_argument("--threads", type=int, default=1)
     args = parser.parse_args()
     torch.set_num_threads(args.threads)
     batch, d_in, d = (16, 32, 64) if args.size == "tiny" else (128, 256, 1024)
     x, y = torch.randn(batch, d_in), torch.randint(0, 10, (batch,))
-    cfgs = configs(d_in, d)
-    for model, ctx in cfgs.values():  # warm-up (also attaches the rule hooks)
-        run_steps(model, ctx, x, y, max(3, args.iters // 5))
-    times: dict[str, list[float]] = {name: [] for name in cfgs}
-    for _ in range(args.rounds):
-        for name, (model, ctx) in cfgs.items():
-            times[name].append(run_steps(model, ctx, x, y, args.iters))
-    base = statistics.median(times["torch.autocast"])
+    times = measure(configs(d_in, d), x, y, args.rounds, args.iters)
     print(
         f"torch {torch.__version__}, size={args.size} (B={batch}, {d_in}->{d}), "
         f"threads={args.threads}, {args.rounds} rounds x {args.iters} steps, dtype={DTYPE}"
     )
-    print(
-        f"{'configuration':40s} {'median us':>10s} {'min us':>9s} {'ratio':>7s} {'min ratio':>9s}"
-    )
-    base_min = min(times["torch.autocast"])
-    mixprec_rule = (base, base_min)
-    for name, samples in times.items():
-        med, low = statistics.median(samples), min(samples)
-        line = f"{name:40s} {med:10.1f} {low:9.1f} {med / base:7.3f} {low / base_min:9.3f}"
-        if name.startswith("  "):  # hand-written native equivalent of the rule above it
-            line += f"   mixprec rule / hand-written: {mixprec_rule[0] / med:.3f}"
-            line += f" (min {mixprec_rule[1] / low:.3f})"
-        else:
-            mixprec_rule = (med, low)
-        print(line)
+    report(times)
 
 
 if __name__ == "__main__":

@@ -16,6 +16,7 @@ from typing import Any
 
 import torch
 from torch import nn
+from torch.fx import GraphModule
 from torch.nn.modules import module as nn_module
 
 from mixprec.autocast._casting import cast_tree, cast_value, first_floating_dtype
@@ -56,6 +57,7 @@ class _Tls(threading.local):
         self.root_map: dict[int, str] = {}
         self.root: nn.Module | None = None
         self.recompute_modes = 0
+        self.reporting = 0
 
 
 TLS = _Tls()
@@ -93,19 +95,21 @@ def _build_map(root: nn.Module) -> dict[int, str]:
 
 
 def _name_of(module: nn.Module) -> str:
+    """Qualified name relative to the current root; a module outside it becomes the new root."""
     tls = TLS
-    if not tls.stack:
-        root = _unwrap(module)
-        tls.root = root
-        tls.root_map = getattr(root, _NAMES_ATTR, None) or _build_map(root)
-        return ""
     name = tls.root_map.get(id(module))
-    if name is None and tls.root is not None:
-        tls.root_map = _build_map(tls.root)  # the model changed since the map was built
-        name = tls.root_map.get(id(module))
-        if name is None:
-            tls.root_map[id(module)] = name = f"<{type(module).__name__}>"
-    return name if name is not None else f"<{type(module).__name__}>"
+    if name is not None:
+        return name
+    root = _unwrap(module)
+    mapping = root.__dict__.get(_NAMES_ATTR)
+    if mapping is None and tls.root is not None:
+        fresh = _build_map(tls.root)  # added to the current model since its map was built?
+        if id(module) in fresh:
+            tls.root_map = fresh
+            return fresh[id(module)]
+    tls.root = root
+    tls.root_map = mapping if mapping is not None else _build_map(root)
+    return ""
 
 
 # ---------------------------------------------------------------- per-module records
@@ -222,19 +226,22 @@ def detach_hooks(module: nn.Module) -> int:
 # ---------------------------------------------------------------- hooks
 def _global_pre(module: nn.Module, args: Any) -> Any:
     tls = TLS
-    if not tls.frames:
+    if not tls.frames or isinstance(module, GraphModule):  # compiler artifacts are not model code
         return None
     name = _name_of(module)
-    tls.stack.append(name)
+    if tls.reporting:
+        tls.stack.append(name)
     frame = tls.frames[-1]
     policy = frame.policy
     if policy is None:
         return None
     frame.names_seen.add(name)
-    if not name and tls.root is not None:
-        _prepare_tree(tls.root, policy, include_root=tls.root is not module)
-    if tls.root is not module and not name:
-        return None  # a torch.compile wrapper: its inner module is bound when it runs
+    if not name:
+        wrapper = tls.root is not module  # a torch.compile wrapper around the root
+        if tls.root is not None:
+            _prepare_tree(tls.root, policy, include_root=wrapper)
+        if wrapper:
+            return None  # its inner module was bound just now, before the compiled frame runs
     if _bind(frame, module, name):
         # First call of a module outside the prepared tree (typically the root): its own pre-hook
         # list was read before we attached, so apply the rule here (positional inputs only); its
@@ -245,7 +252,9 @@ def _global_pre(module: nn.Module, args: Any) -> Any:
 
 
 def _global_post(module: nn.Module, args: Any, output: Any) -> None:
-    tls = TLS
+    tls = TLS  # registered only while a report records module names
+    if isinstance(module, GraphModule):
+        return
     if tls.frames and len(tls.stack) > tls.frames[-1].stack_len:
         tls.stack.pop()
 
@@ -334,11 +343,19 @@ def _push_recompute_mode(rec: _Record) -> OpRuleMode | None:
 
 # ---------------------------------------------------------------- global registration
 _LOCK = threading.Lock()
-_GLOBAL: dict[str, Any] = {"count": 0, "handles": []}
+_GLOBAL: dict[str, Any] = {"pre": 0, "post": 0, "pre_handle": None, "post_handle": None}
 
 
-def acquire_global_hooks() -> None:
+def _hook_dict(kind: str) -> dict[int, Any]:
+    return nn_module._global_forward_pre_hooks if kind == "pre" else nn_module._global_forward_hooks
+
+
+def acquire_global_hooks(post: bool = False) -> None:
     """Register the process-wide discovery hooks (reference counted across regions and threads).
+
+    The forward pre-hook names and binds modules; the forward post-hook, needed only by the dtype
+    report, keeps the stack of module names. Handles are created once and re-inserted, since
+    creating hook handles costs more than the hooks themselves on a small model.
 
     Example:
         >>> acquire_global_hooks(); release_global_hooks()
@@ -346,15 +363,25 @@ def acquire_global_hooks() -> None:
     Host sync: none.
     """
     with _LOCK:
-        _GLOBAL["count"] += 1
-        if _GLOBAL["count"] == 1:
-            _GLOBAL["handles"] = [
-                nn_module.register_module_forward_pre_hook(_global_pre),
-                nn_module.register_module_forward_hook(_global_post, always_call=True),
-            ]
+        for kind in ("pre", "post") if post else ("pre",):
+            _GLOBAL[kind] += 1
+            if _GLOBAL[kind] > 1:
+                continue
+            handle = _GLOBAL[f"{kind}_handle"]
+            if handle is None:
+                handle = (
+                    nn_module.register_module_forward_pre_hook(_global_pre)
+                    if kind == "pre"
+                    else nn_module.register_module_forward_hook(_global_post, always_call=True)
+                )
+                _GLOBAL[f"{kind}_handle"] = handle
+            else:
+                _hook_dict(kind)[handle.id] = _global_pre if kind == "pre" else _global_post
+                if kind == "post":
+                    nn_module._global_forward_hooks_always_called[handle.id] = True
 
 
-def release_global_hooks() -> None:
+def release_global_hooks(post: bool = False) -> None:
     """Drop one reference to the discovery hooks; the last one removes them.
 
     Example:
@@ -363,8 +390,7 @@ def release_global_hooks() -> None:
     Host sync: none.
     """
     with _LOCK:
-        _GLOBAL["count"] -= 1
-        if _GLOBAL["count"] == 0:
-            for handle in _GLOBAL["handles"]:
-                handle.remove()
-            _GLOBAL["handles"] = []
+        for kind in ("pre", "post") if post else ("pre",):
+            _GLOBAL[kind] -= 1
+            if _GLOBAL[kind] == 0:
+                _GLOBAL[f"{kind}_handle"].remove()

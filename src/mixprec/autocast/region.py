@@ -196,10 +196,12 @@ class autocast:
             native.__enter__()
             self._stack.append(native)
             return self
-        self._enter_full()
+        if torch.compiler.is_compiling():
+            _enter_full_eagerly(self)
+        else:
+            self._enter_full()
         return self
 
-    @torch.compiler.disable
     def _enter_full(self) -> None:
         # Never traced: inside a compiled function Dynamo runs this frame eagerly (the policy
         # machinery installs hooks and modes); around a compiled call, rules trace into the graph.
@@ -224,11 +226,14 @@ class autocast:
         enabled = bool(getattr(entered.native, "_enabled", self.enabled))
         frame = Frame(self.device, self.fast_dtype, enabled, policy)
         frame.stack_len = len(tls.stack)
+        if not tls.frames:
+            tls.root, tls.root_map = None, {}  # names are relative to roots run in this region
         tls.frames.append(frame)
         entered.frame = frame
         if policy is not None or self.report is not None:
-            acquire_global_hooks()
+            acquire_global_hooks(post=self.report is not None)
             entered.hooks = True
+            tls.reporting += self.report is not None
         if policy is not None and policy.op_rules and enabled:
             entered.mode = OpRuleMode(policy.op_table, self.device)
             entered.mode.__enter__()
@@ -240,9 +245,11 @@ class autocast:
         if not isinstance(self._stack[-1], _Entered):
             self._stack.pop().__exit__(exc_type, exc, tb)
             return
-        self._exit_full(exc_type, exc, tb)
+        if torch.compiler.is_compiling():
+            _exit_full_eagerly(self, exc_type, exc, tb)
+        else:
+            self._exit_full(exc_type, exc, tb)
 
-    @torch.compiler.disable
     def _exit_full(self, exc_type: Any, exc: Any, tb: Any) -> None:
         entered = self._stack.pop()
         try:
@@ -261,7 +268,8 @@ class autocast:
                 entered.mode.__exit__(None, None, None)
         finally:
             if entered.hooks:
-                release_global_hooks()
+                release_global_hooks(post=self.report is not None)
+                tls.reporting -= self.report is not None
             del tls.frames[tls.frames.index(frame) :]
             del tls.stack[frame.stack_len :]
         policy = frame.policy
@@ -311,3 +319,9 @@ class autocast:
             f"mixprec.autocast({self.device!r}, {self.fast_dtype}, enabled={self.enabled}, "
             f"cache_enabled={self.cache_enabled}{extra})"
         )
+
+
+# Dynamo must not trace the policy machinery (hooks, modes): while compiling, enter and exit run
+# eagerly through these (torch.compiler.disable costs tens of microseconds, so only then).
+_enter_full_eagerly = torch.compiler.disable(autocast._enter_full)
+_exit_full_eagerly = torch.compiler.disable(autocast._exit_full)
