@@ -30,7 +30,7 @@ def main(argv: Sequence[str] | None = None) -> int:
 
     Example:
         >>> from mixprec.cli import main
-        >>> main(["demo", "--steps", "0"])  # doctest: +SKIP
+        >>> main(["demo", "--steps", "0"])  # bad option: message on stderr
         2
     """
     parser = _parser()

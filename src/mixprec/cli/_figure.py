@@ -30,6 +30,12 @@ def _color(r: RunResult) -> str:
     return _COLORS["scaled" if r.scaled else "float32" if r.dtype == "float32" else "unscaled"]
 
 
+def _label(r: RunResult) -> str:
+    if r.flushed_fraction is None:
+        return r.name
+    return f"{r.name}: {100 * r.flushed_fraction:.1f}% of grad elements flushed to 0"
+
+
 def _style(r: RunResult) -> dict[str, Any]:
     if r.scaled:  # dashed, so that float32 stays visible where the two curves coincide
         return {"color": _color(r), "linestyle": "--", "linewidth": 1.8}
@@ -60,7 +66,7 @@ def write_figure(results: list[RunResult], path: Path) -> Path:
     for r in results:
         steps = range(len(r.losses))
         ax_loss.plot(steps, r.losses, color=_color(r), alpha=0.2, linewidth=0.8)
-        ax_loss.plot(steps, _smooth(r.losses, window), label=r.name, **_style(r))
+        ax_loss.plot(steps, _smooth(r.losses, window), label=_label(r), **_style(r))
     ax_loss.set_yscale("log")
     ax_loss.set_ylabel("training loss (MSE)")
     ax_loss.set_title("Same model, data and seed: float32, low precision, low precision + scaler")
