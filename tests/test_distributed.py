@@ -204,3 +204,10 @@ def test_process_group_is_validated_and_not_saved() -> None:
     with pytest.raises(ConfigError, match="process_group"):
         scaler.process_group = "world"
     assert "process_group" not in scaler.state_dict()
+
+
+def test_misuse_is_refused_before_any_collective() -> None:
+    with pytest.raises(ConfigError, match=r"0-d tensor \(shape \(\)\)"):
+        mixprec.distributed.agree_found_inf_(torch.zeros(1))  # ShardedGradScaler's (1,) shape
+    with pytest.raises(ConfigError, match=r"process_group=torch\.distributed\.group\.WORLD"):
+        mixprec.JoinableScaler(mixprec.GradScaler())
