@@ -335,3 +335,26 @@ def test_bad_region_arguments(kwargs: dict[str, object], match: str) -> None:
 def test_device_forms_are_accepted() -> None:
     assert mixprec.autocast(torch.device("cpu")).device == "cpu"
     assert mixprec.autocast("cpu:0").device == "cpu"
+
+
+class Dynamic(nn.Module):
+    """Creates a throwaway module in forward; the named submodules around it keep their names."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.fc1 = nn.Linear(4, 4)
+        self.fc2 = nn.Linear(4, 4)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.fc2(nn.Identity()(self.fc1(x)))
+
+
+def test_names_survive_throwaway_modules_and_direct_submodule_calls() -> None:
+    net = Dynamic()
+    policy = Policy(modules={"fc2": "fp32"})
+    with mixprec.autocast("cpu", BF16, policy=policy, report=True) as ac:
+        assert net(torch.randn(2, 4)).dtype == torch.float32
+        assert net.fc2(torch.randn(2, 4)).dtype == torch.float32  # still "fc2" within net
+        nn.functional.cross_entropy(net.fc1(torch.randn(2, 4)), torch.tensor([0, 1]))
+    assert ac.report is not None
+    assert {r.module for r in ac.report.rows} >= {"fc1", "fc2"}

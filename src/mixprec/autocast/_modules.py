@@ -56,6 +56,7 @@ class _Tls(threading.local):
         self.applied: list[tuple[Any, ...] | None] = []
         self.root_map: dict[int, str] = {}
         self.root: nn.Module | None = None
+        self.roots: list[tuple[nn.Module, dict[int, str]]] = []
         self.recompute_modes = 0
         self.reporting = 0
 
@@ -95,20 +96,32 @@ def _build_map(root: nn.Module) -> dict[int, str]:
 
 
 def _name_of(module: nn.Module) -> str:
-    """Qualified name relative to the current root; a module outside it becomes the new root."""
+    """Qualified name relative to the root module it belongs to; an unknown module is a new root.
+
+    Roots are the modules called at the top of the region (usually the model, maybe a loss
+    module); a submodule called directly keeps its name within its root.
+    """
     tls = TLS
     name = tls.root_map.get(id(module))
     if name is not None:
         return name
-    root = _unwrap(module)
-    mapping = root.__dict__.get(_NAMES_ATTR)
-    if mapping is None and tls.root is not None:
-        fresh = _build_map(tls.root)  # added to the current model since its map was built?
-        if id(module) in fresh:
-            tls.root_map = fresh
-            return fresh[id(module)]
-    tls.root = root
-    tls.root_map = mapping if mapping is not None else _build_map(root)
+    for root, mapping in tls.roots:
+        name = mapping.get(id(module))
+        if name is not None:
+            tls.root, tls.root_map = root, mapping
+            return name
+    new_root = _unwrap(module)
+    cached: dict[int, str] | None = new_root.__dict__.get(_NAMES_ATTR)
+    if cached is None:
+        for i, (root, _) in enumerate(tls.roots):  # added to a model since its map was built?
+            fresh = _build_map(root)
+            tls.roots[i] = (root, fresh)
+            if id(module) in fresh:
+                tls.root, tls.root_map = root, fresh
+                return fresh[id(module)]
+        cached = _build_map(new_root)
+    tls.roots.append((new_root, cached))
+    tls.root, tls.root_map = new_root, cached
     return ""
 
 

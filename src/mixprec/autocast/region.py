@@ -227,7 +227,7 @@ class autocast:
         frame = Frame(self.device, self.fast_dtype, enabled, policy)
         frame.stack_len = len(tls.stack)
         if not tls.frames:
-            tls.root, tls.root_map = None, {}  # names are relative to roots run in this region
+            tls.root, tls.root_map, tls.roots = None, {}, []  # names: roots run in this region
         tls.frames.append(frame)
         entered.frame = frame
         if policy is not None or self.report is not None:
