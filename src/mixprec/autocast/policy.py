@@ -152,7 +152,7 @@ class Policy:
     """Per-module and per-op precision rules for :class:`mixprec.autocast`.
 
     Module rules (by ``nn.Module`` class or qualified-name glob, ``*`` matching any characters
-    including dots; names are relative to the outermost module called in the region) apply to every
+    including dots; names are relative to the root module called in the region) apply to every
     module that runs inside the region, with its whole subtree. Op rules (by torch function or
     ``"aten::name"``) apply to calls of the public Python functions of that name (``torch.x``,
     ``torch.nn.functional.x``, ``Tensor.x``). Rules act only where native autocast is enabled for
