@@ -196,14 +196,15 @@ def clip_norms(model: nn.Module) -> dict[str, float]:
 
 
 def scenario_fsdp2_fp16_policy(rank: int) -> dict[str, Any]:
-    """FSDP2 with MixedPrecisionPolicy(param_dtype=fp16), fused Adam, explicit unscale_ + clip."""
-    from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
+    """FSDP2, MixedPrecisionPolicy(param_dtype=fp16), CPUOffloadPolicy, fused Adam, unscale_."""
+    from torch.distributed.fsdp import CPUOffloadPolicy, MixedPrecisionPolicy, fully_shard
 
     model = make_model()
     policy = MixedPrecisionPolicy(param_dtype=torch.float16, reduce_dtype=torch.float32)
+    offload = CPUOffloadPolicy(pin_memory=False)  # grads offloaded (a no-op move on a CPU box)
     for layer in (model[0], model[2]):
-        fully_shard(layer, mp_policy=policy)
-    fully_shard(model, mp_policy=policy)
+        fully_shard(layer, mp_policy=policy, offload_policy=offload)
+    fully_shard(model, mp_policy=policy, offload_policy=offload)
     opt = torch.optim.Adam(model.parameters(), lr=1e-2, fused=True)
     scaler = scaler_for(None)
     poison = {3} if rank == 1 else set()
