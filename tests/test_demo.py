@@ -135,6 +135,12 @@ def test_out_that_is_a_file_is_rejected(tmp_path: Path) -> None:
     assert code != 0 and "not a folder" in err
 
 
+def test_out_that_cannot_be_created_is_rejected(tmp_path: Path) -> None:
+    (tmp_path / "file").write_text("")
+    code, _, err = _run(["demo", "--out", str(tmp_path / "file" / "sub")])
+    assert code != 0 and "cannot be created" in err and "Traceback" not in err
+
+
 @pytest.mark.skipif(torch.cuda.is_available(), reason="checks the message when CUDA is absent")
 def test_unavailable_cuda_is_a_clear_error() -> None:
     code, _, err = _run(["demo", "--device", "cuda"])

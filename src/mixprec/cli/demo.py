@@ -106,6 +106,13 @@ def _check(args: argparse.Namespace) -> str | None:
         return f"--inject-inf {args.inject_inf} is not a step of the run; use 0..{args.steps - 1}"
     if args.out.exists() and not args.out.is_dir():
         return f"--out {args.out} exists and is not a folder; pass a folder"
+    if not args.no_plot:
+        try:
+            args.out.mkdir(parents=True, exist_ok=True)
+        except OSError as exc:
+            return (
+                f"--out {args.out} cannot be created ({exc.strerror or exc}); pass another folder"
+            )
     return None
 
 
