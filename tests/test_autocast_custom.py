@@ -181,3 +181,13 @@ def test_seed_examples_with_real_fp16_on_cpu(
     ref = _seed_run(shape, n, opt, epochs, amp=False, pass_opt=pass_opt)
     assert all(torch.isfinite(torch.tensor(amp)))
     torch.testing.assert_close(torch.tensor(amp), torch.tensor(ref), rtol=1e-2, atol=1e-3)
+
+
+def test_new_style_without_grad_holds_no_outputs() -> None:
+    from mixprec.autocast import custom
+
+    custom._flush_pending()
+    a = torch.randn(3, 3)
+    with mixprec.autocast("cpu", BF16):
+        NewStyleAmbient.apply(a, a)
+    assert custom._PENDING == []

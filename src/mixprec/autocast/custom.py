@@ -4,7 +4,8 @@ Works with both styles of Function: ``forward(ctx, ...)`` and ``forward(...)`` p
 ``setup_context(ctx, inputs, output)`` (torch's decorators fail on the latter, pytorch#132388). For
 the ``setup_context`` style the forward's autocast state is bound to the output's ``grad_fn``
 (which is the ``ctx`` that ``backward`` receives) the next time mixprec looks, at the latest when
-``backward`` runs; until then mixprec holds a reference to the outputs.
+``backward`` runs; until then mixprec holds a reference to the outputs of calls whose inputs
+require grad.
 """
 
 from __future__ import annotations
@@ -54,6 +55,11 @@ def _infer_device(values: Any) -> str:
         if isinstance(t, torch.Tensor) and t.is_floating_point():
             return t.device.type
     return default_device_type()
+
+
+def _may_backward(values: Any) -> bool:
+    """Whether a backward can follow: some tensor input requires grad."""
+    return any(isinstance(t, torch.Tensor) and t.requires_grad for t in tree_leaves(values))
 
 
 def _check_cast_dtype(cast_inputs: object) -> None:
@@ -128,7 +134,7 @@ def custom_fwd(
             out = run_without_autocast(dev, forward, *head, *inputs, **kwargs)
         else:
             out = forward(*head, *inputs, **kwargs)
-        if not has_ctx:
+        if not has_ctx and _may_backward((inputs, kwargs)):
             outs = [t for t in tree_leaves(out) if isinstance(t, torch.Tensor)]
             with _LOCK:
                 _PENDING.append((outs, state))
