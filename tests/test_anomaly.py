@@ -179,3 +179,30 @@ def test_empty_outputs_are_ignored() -> None:
     with mixprec.find_nonfinite(model) as finder:
         model(torch.randn(0, 4))  # an empty batch
     assert finder.report is None
+
+
+class KeywordModel(nn.Module):
+    """Called with keyword arguments only (as transformers models are)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.skip = nn.Identity()
+        self.bomb = Bomb()
+        self.fc = nn.Linear(8, 1)
+
+    def forward(self, *, hidden: torch.Tensor) -> torch.Tensor:
+        return self.fc(self.bomb(self.skip(hidden)))
+
+
+def test_keyword_inputs_and_pass_through_modules() -> None:
+    model = KeywordModel()
+    with mixprec.find_nonfinite(model) as finder:
+        model(hidden=torch.full((2, 8), float("inf")))
+    assert finder.report is not None and finder.report.what == "input"
+    model.bomb.armed = True
+    hidden = torch.randn(2, 8, requires_grad=True)
+    with mixprec.find_nonfinite(model) as finder:
+        model(hidden=hidden).sum().backward()
+    assert finder.report is not None
+    # nn.Identity hands its input back: the gradient it "produces" is not its doing
+    assert (finder.report.module, finder.report.what) == ("bomb", "input gradient")

@@ -110,7 +110,11 @@ def _stats(tensors: list[torch.Tensor]) -> list[tuple[bool, float]]:
 def _leaf_most(names: list[str]) -> list[str]:
     """Drop names that are ancestors of another name in the list."""
     unique = list(dict.fromkeys(names))
-    return [n for n in unique if not any(o != n and o.startswith(f"{n}.") for o in unique)]
+
+    def is_ancestor(n: str, o: str) -> bool:
+        return o != n and (n == "" or o.startswith(f"{n}."))  # "" is the model itself
+
+    return [n for n in unique if not any(is_ancestor(n, o) for o in unique)]
 
 
 class NonFiniteFinder:
@@ -143,10 +147,15 @@ class NonFiniteFinder:
     def __enter__(self) -> NonFiniteFinder:
         self._active = True
         self._names = {m: n for n, m in self.model.named_modules()}
-        self._handles.append(self.model.register_forward_pre_hook(self._check_model_input))
+        model_hook = self.model.register_forward_pre_hook(self._check_model_input, with_kwargs=True)
+        self._handles.append(model_hook)
         for module, name in self._names.items():
-            self._handles.append(module.register_forward_pre_hook(self._tag_inputs))
-            self._handles.append(module.register_forward_hook(self._check_outputs))
+            self._handles.append(
+                module.register_forward_pre_hook(self._tag_inputs, with_kwargs=True)
+            )
+            self._handles.append(
+                module.register_forward_hook(self._check_outputs, with_kwargs=True)
+            )
             for pname, param in module.named_parameters(recurse=False):
                 if param.requires_grad:
                     hook = functools.partial(self._check_param_grad, name, pname)
@@ -178,8 +187,8 @@ class NonFiniteFinder:
     def _watching(self) -> bool:
         return self._active and self.report is None
 
-    def _check_model_input(self, module: nn.Module, inputs: Any) -> None:
-        tensors = list(_float_tensors(inputs))
+    def _check_model_input(self, module: nn.Module, args: Any, kwargs: Any) -> None:
+        tensors = list(_float_tensors((args, kwargs)))
         if not self._watching() or not tensors:
             return
         for t, (bad, biggest) in zip(tensors, _stats(tensors), strict=True):
@@ -188,15 +197,15 @@ class NonFiniteFinder:
                 self._found("", "forward", "input", t.dtype, biggest, detail)
                 return
 
-    def _tag_inputs(self, module: nn.Module, inputs: Any) -> None:
+    def _tag_inputs(self, module: nn.Module, args: Any, kwargs: Any) -> None:
         if not self._watching():
             return
         name = self._names[module]
-        for t in _float_tensors(inputs):
+        for t in _float_tensors((args, kwargs)):
             if t.requires_grad:
                 self._tag(t).consumers.append(name)
 
-    def _check_outputs(self, module: nn.Module, inputs: Any, output: Any) -> None:
+    def _check_outputs(self, module: nn.Module, args: Any, kwargs: Any, output: Any) -> None:
         if not self._watching():
             return
         # a parent returning its child's output tensor: already checked, no second sync
@@ -208,13 +217,15 @@ class NonFiniteFinder:
         name = self._names[module]
         for t, (bad, biggest) in zip(tensors, _stats(tensors), strict=True):
             if bad:
-                self._blame_forward(name, inputs, t, biggest)
+                self._blame_forward(name, (args, kwargs), t, biggest)
                 return
             self._check_margin(name, t, biggest)
         for t in tensors:
             if t.requires_grad:
                 tag = self._tag(t)
                 tag.producer = tag.producer or name
+                if name in tag.consumers:  # returned its input: its backward passes grads on
+                    tag.consumers.remove(name)
 
     def _blame_forward(self, name: str, inputs: Any, t: torch.Tensor, biggest: float) -> None:
         tensors = list(_float_tensors(inputs))
