@@ -59,13 +59,15 @@ def loader() -> torch.utils.data.DataLoader:
     return torch.utils.data.DataLoader(torch.utils.data.TensorDataset(x, y), batch_size=4)
 
 
-def fit(plugin: Any, epochs: int, root: Path, ckpt: Path | None = None, **kw: Any) -> Any:
+def fit(
+    plugin: Any, epochs: int, root: Path, ckpt: Path | None = None, logger: Any = False, **kw: Any
+) -> Any:
     trainer = pl.Trainer(
         accelerator="cpu",
         devices=1,
         max_epochs=epochs,
         plugins=[plugin],
-        logger=False,
+        logger=logger,
         enable_checkpointing=False,
         enable_progress_bar=False,
         enable_model_summary=False,
@@ -73,7 +75,9 @@ def fit(plugin: Any, epochs: int, root: Path, ckpt: Path | None = None, **kw: An
     )
     module = TinyModule(**kw)
     with warnings.catch_warnings():
-        warnings.filterwarnings("ignore", message=".*(num_workers|LeafSpec|lr_scheduler).*")
+        warnings.filterwarnings(
+            "ignore", message=".*(num_workers|LeafSpec|lr_scheduler|logging interval).*"
+        )
         trainer.fit(module, loader(), ckpt_path=str(ckpt) if ckpt else None)
     return trainer, module
 
@@ -191,3 +195,24 @@ def test_plugin_applies_a_mixprec_policy_inside_training_step(tmp_path: Path) ->
     _, plain = fit(MixprecPrecision("16-mixed", "cpu"), 1, tmp_path)
     assert set(with_policy.out_dtypes) == {torch.float32}  # the last Linear ran in fp32
     assert set(plain.out_dtypes) == {torch.float16}
+
+
+def test_metrics_hook_writes_the_scale_into_lightnings_logger(tmp_path: Path) -> None:
+    import csv
+
+    from pytorch_lightning.loggers import CSVLogger
+
+    from mixprec.integrations import MetricsHook
+
+    plugin = MixprecPrecision("16-mixed", "cpu", mixprec.GradScaler(history=16))
+    logger = CSVLogger(tmp_path)
+    MetricsHook(logger.log_metrics).attach(plugin.scaler)
+    fit(plugin, 2, tmp_path, logger=logger)
+    logger.finalize("success")
+    with open(Path(logger.log_dir) / "metrics.csv") as f:
+        rows = [r for r in csv.DictReader(f) if r.get("mixprec/scale")]
+    history = plugin.scaler.history()
+    after_update = [e.scale for e in history[1:]] + [plugin.scaler.get_scale()]
+    assert [int(r["step"]) for r in rows] == [e.iteration for e in history]
+    assert [float(r["mixprec/scale"]) for r in rows] == after_update
+    assert [float(r["mixprec/skipped"]) for r in rows] == [float(e.skipped) for e in history]

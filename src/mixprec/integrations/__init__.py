@@ -7,7 +7,8 @@ when it is missing; ``import mixprec`` never imports any of them.
 * :mod:`mixprec.integrations.lightning`: a precision plugin (``pip install 'mixprec[lightning]'``).
 * :mod:`mixprec.integrations.accelerate`: ``use_mixprec_scaler(accelerator)``
   (``pip install 'mixprec[accelerate]'``).
-* :class:`LoggingHook` (plain ``logging``) and
+* :class:`LoggingHook` (plain ``logging``), :class:`MetricsHook` (any ``log(metrics, step=)``:
+  Lightning loggers, ``accelerator.log``, wandb) and
   :class:`~mixprec.integrations.tensorboard.TensorBoardHook`: update hooks that write the scale,
   the skips and the grad norm (TensorBoard: ``pip install 'mixprec[tensorboard]'``).
 * :mod:`mixprec.integrations.plot`: :func:`mixprec.plot` (``pip install 'mixprec[plot]'``).
@@ -17,7 +18,18 @@ when it is missing; ``import mixprec`` never imports any of them.
 
 from __future__ import annotations
 
-from mixprec.integrations.hooks import LoggingHook, UpdateRecord, WindowedUpdateHook
+from mixprec.integrations.hooks import (
+    LoggingHook,
+    MetricsHook,
+    UpdateRecord,
+    WindowedUpdateHook,
+)
 from mixprec.integrations.schedulers import SkipAwareScheduler
 
-__all__ = ["LoggingHook", "SkipAwareScheduler", "UpdateRecord", "WindowedUpdateHook"]
+__all__ = [
+    "LoggingHook",
+    "MetricsHook",
+    "SkipAwareScheduler",
+    "UpdateRecord",
+    "WindowedUpdateHook",
+]

@@ -1,7 +1,8 @@
 """Update hooks that log the scaler: the shared windowing, and the plain-``logging`` hook.
 
 Every hook counts skips on the device and reads them back once every ``every_n`` updates.
-:mod:`mixprec.integrations.tensorboard` has the TensorBoard one.
+:class:`MetricsHook` feeds any ``log(metrics, step=...)`` function (Lightning loggers, accelerate,
+wandb); :mod:`mixprec.integrations.tensorboard` has the TensorBoard one.
 """
 
 from __future__ import annotations
@@ -16,7 +17,7 @@ from mixprec.errors import ConfigError
 from mixprec.scaler.grad_scaler import GradScaler
 from mixprec.scaler.telemetry import UpdateEvent
 
-__all__ = ["LoggingHook", "UpdateRecord", "WindowedUpdateHook"]
+__all__ = ["LoggingHook", "MetricsHook", "UpdateRecord", "WindowedUpdateHook"]
 
 
 @dataclass(frozen=True)
@@ -178,3 +179,57 @@ class LoggingHook(WindowedUpdateHook):
             record.skipped_total,
             norm,
         )
+
+
+class MetricsHook(WindowedUpdateHook):
+    """Pass the scaler's metrics to any ``log(metrics, step=...)`` function.
+
+    That is the signature of Lightning's ``trainer.logger.log_metrics``, accelerate's
+    ``accelerator.log`` and ``wandb.log``, so the scale shows up in the experiment tracker the
+    run already uses. Metrics: ``<prefix>scale``, ``<prefix>skipped`` (in the window),
+    ``<prefix>skipped_total`` and, when passed with :meth:`record_grad_norm`,
+    ``<prefix>grad_norm``; ``step`` is the scaler's iteration number.
+
+    Args:
+        log: the function, called as ``log(metrics: dict[str, float], step=iteration)``.
+        every_n: updates per call (each call is one host sync).
+        prefix: metric-name prefix.
+
+    Raises:
+        ConfigError: ``log`` is not callable, or ``every_n`` is not an int >= 1.
+
+    Example:
+        >>> import torch, mixprec
+        >>> from mixprec.integrations import MetricsHook
+        >>> rows = []
+        >>> scaler = mixprec.GradScaler()
+        >>> hook = MetricsHook(lambda metrics, step: rows.append((step, metrics))).attach(scaler)
+        >>> model = torch.nn.Linear(4, 1)
+        >>> opt = torch.optim.SGD(model.parameters(), lr=0.1)
+        >>> scaler.scale(model(torch.randn(8, 4)).pow(2).mean()).backward()
+        >>> scaler.step(opt)
+        >>> scaler.update()
+        >>> rows[0][1]["mixprec/scale"]
+        65536.0
+    """
+
+    def __init__(self, log: Any, every_n: int = 1, prefix: str = "mixprec/") -> None:
+        if not callable(log):
+            raise ConfigError(
+                f"log must be a function taking (metrics, step=...), got {type(log).__name__}; "
+                "pass e.g. trainer.logger.log_metrics or accelerator.log."
+            )
+        super().__init__(every_n)
+        self.log = log
+        self.prefix = prefix
+
+    def emit(self, record: UpdateRecord) -> None:
+        """Call ``log`` once. Host sync: none."""
+        metrics = {
+            f"{self.prefix}scale": record.scale,
+            f"{self.prefix}skipped": float(record.skipped),
+            f"{self.prefix}skipped_total": float(record.skipped_total),
+        }
+        if record.grad_norm is not None:
+            metrics[f"{self.prefix}grad_norm"] = record.grad_norm
+        self.log(metrics, step=record.iteration)
