@@ -245,3 +245,16 @@ def test_ddp_bucket_views_take_the_flat_path():
             scaler.update()
     finally:
         dist.destroy_process_group()
+
+
+@pytest.mark.filterwarnings("ignore:Using backward\\(\\) with create_graph=True")  # on purpose
+def test_flatten_leaves_grads_with_a_graph_alone():
+    """backward(create_graph=True) gives grads with a graph: they are not copied into the buffer."""
+    p = torch.nn.Parameter(torch.ones(3))
+    flat = mixprec.flatten_grads([p])
+    p.grad = None
+    (p**3).sum().backward(create_graph=True)
+    assert p.grad.requires_grad and p.grad._base is not flat.buffers[CPU32]
+    p.grad = None
+    (p**3).sum().backward()
+    assert p.grad._base is flat.buffers[CPU32] and p.grad.tolist() == [3.0, 3.0, 3.0]

@@ -151,8 +151,10 @@ class FlatGrads:
         grad = param.grad
         if grad is None:
             view.zero_()
-        elif grad.layout is not torch.strided or grad.shape != view.shape:
-            return  # a sparse or reshaped grad: left alone (it takes the per-tensor path)
+        elif grad.layout is not torch.strided or grad.shape != view.shape or grad.requires_grad:
+            # A sparse or reshaped grad, or one with a graph (backward(create_graph=True)):
+            # left alone, so it keeps its meaning; it takes the per-tensor path.
+            return
         elif grad.data_ptr() != view.data_ptr():
             view.copy_(grad)
         param.grad = view
