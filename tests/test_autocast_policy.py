@@ -358,3 +358,11 @@ def test_names_survive_throwaway_modules_and_direct_submodule_calls() -> None:
         nn.functional.cross_entropy(net.fc1(torch.randn(2, 4)), torch.tensor([0, 1]))
     assert ac.report is not None
     assert {r.module for r in ac.report.rows} >= {"fc1", "fc2"}
+
+
+def test_report_only_region_after_a_policy_region_applies_no_rule() -> None:
+    net, _ = run(Policy(modules={Probe: "fp32"}))
+    net.probe.seen.clear()
+    with mixprec.autocast("cpu", BF16, report=True):
+        net(torch.randn(2, 4))
+    assert net.probe.seen == [(True, BF16, BF16)]

@@ -273,8 +273,9 @@ def _global_post(module: nn.Module, args: Any, output: Any) -> None:
 
 
 def _rule_active(rec: _Record) -> bool:
-    if TLS.frames:
-        return rec.live
+    frames = TLS.frames
+    if frames:
+        return rec.live and frames[-1].policy is rec.policy
     if torch.compiler.is_compiling():
         return False  # traced outside any policy region; compiled recompute replays the graph
     if torch._C._current_graph_task_id() != -1:
