@@ -147,6 +147,15 @@ def test_grads_accumulate_in_fp32_and_low_precision_grads_are_freed() -> None:
     master_w = masters.pairs[0][1]
     assert master_w.grad is not None and master_w.grad.dtype == torch.float32
     torch.testing.assert_close(master_w.grad, grads[0] + grads[1])
+    # a gradient present when the optimizer is converted moves to the master too
+    model2 = PeftLike()
+    model2.head(torch.ones(4, 16, dtype=torch.float16)).float().sum().backward()
+    low_grad = model2.head.weight.grad
+    assert low_grad is not None
+    opt2 = torch.optim.SGD(_trainable(model2), lr=0.1)
+    masters2 = mixprec.MasterWeights(opt2)
+    assert model2.head.weight.grad is None
+    assert torch.equal(masters2.pairs[0][1].grad, low_grad.float())
     assert masters.overhead_bytes() == (16 + 1) * (8 - 2)
     opt.zero_grad()
     assert master_w.grad is None

@@ -95,8 +95,7 @@ class MasterWeights:
         optimizer.register_load_state_dict_pre_hook(self._take_from_state_dict)
         optimizer._mixprec_master_weights = self  # type: ignore[attr-defined]
         # with a closure (LBFGS, SAM) the masters move mid-step: refresh before each evaluation.
-        # Bound methods, as LR schedulers expect (they re-bind ``optimizer.step.__func__``);
-        # deepcopy/pickle re-bind them to the copy.
+        # Bound methods, as LR schedulers expect (they re-bind ``optimizer.step.__func__``).
         optimizer._mixprec_inner_step = optimizer.step  # type: ignore[attr-defined]
         optimizer.step = types.MethodType(_step_refreshing, optimizer)  # type: ignore[method-assign]
         # torch drops instance attributes and hooks when copying an optimizer: refuse loudly
@@ -118,6 +117,8 @@ class MasterWeights:
                     continue
                 master = param.detach().float().requires_grad_(True)
                 group["params"][i] = master
+                if param.grad is not None:  # a gradient accumulated before the conversion
+                    master.grad, param.grad = param.grad.float(), None
                 self._move_state(param, master)
                 self.pairs.append((param, master))
 
