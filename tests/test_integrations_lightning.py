@@ -216,3 +216,43 @@ def test_metrics_hook_writes_the_scale_into_lightnings_logger(tmp_path: Path) ->
     assert [int(r["step"]) for r in rows] == [e.iteration for e in history]
     assert [float(r["mixprec/scale"]) for r in rows] == after_update
     assert [float(r["mixprec/skipped"]) for r in rows] == [float(e.skipped) for e in history]
+
+
+def test_fabric_recipe_matches_a_hand_written_torch_loop() -> None:
+    from lightning_fabric import Fabric
+    from lightning_fabric.plugins import MixedPrecision as FabricMixedPrecision
+
+    def make() -> tuple[torch.nn.Module, torch.optim.Optimizer]:
+        torch.manual_seed(0)
+        model = torch.nn.Sequential(torch.nn.Linear(8, 16), torch.nn.ReLU(), torch.nn.Linear(16, 1))
+        return model, torch.optim.SGD(model.parameters(), lr=0.05, momentum=0.9)
+
+    batches = [(x, y) for x, y in loader()]
+    scaler = mixprec.GradScaler()
+    fabric = Fabric(
+        accelerator="cpu", devices=1, plugins=[FabricMixedPrecision("16-mixed", "cpu", scaler)]
+    )
+    model, opt = fabric.setup(*make())
+    for x, y in batches:
+        fabric.backward(torch.nn.functional.mse_loss(model(x), y))
+        fabric.clip_gradients(model, opt, max_norm=1.0, error_if_nonfinite=False)
+        opt.step()
+        opt.zero_grad()
+
+    ref_model, ref_opt = make()
+    ref = torch.amp.GradScaler("cpu")
+    for x, y in batches:
+        with torch.autocast("cpu", dtype=torch.float16):
+            loss = torch.nn.functional.mse_loss(ref_model(x), y)
+        ref.scale(loss).backward()
+        ref.unscale_(ref_opt)
+        torch.nn.utils.clip_grad_norm_(ref_model.parameters(), 1.0)
+        ref.step(ref_opt)
+        ref.update()
+        ref_opt.zero_grad()
+
+    assert scaler.stats().steps_skipped >= 1
+    for a, b in zip(ref_model.parameters(), model.parameters(), strict=True):
+        assert torch.equal(a, b)
+    state = scaler.state_dict()
+    assert {k: state[k] for k in TORCH_KEYS} == {k: ref.state_dict()[k] for k in TORCH_KEYS}
