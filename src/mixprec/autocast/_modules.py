@@ -155,10 +155,10 @@ def _in_checkpoint() -> bool:
 
 def _needs_hooks(module: nn.Module, policy: Policy, name: str) -> tuple[bool, Rule | None]:
     """Whether a module without hooks needs them now, and its module rule (cached negatives)."""
-    want_ops = bool(policy.op_rules) and _in_checkpoint()
     known = module.__dict__.get(_NORULE_ATTR)
     if known is not None and known[0] is policy and known[1] == name:
-        return want_ops, None
+        return bool(policy.op_rules) and _in_checkpoint(), None
+    want_ops = bool(policy.op_rules) and _in_checkpoint()
     rule = policy.module_rule(module, name)
     if rule is None and not want_ops:
         object.__setattr__(module, _NORULE_ATTR, (policy, name))
@@ -349,7 +349,7 @@ def _push_recompute_mode(rec: _Record) -> OpRuleMode | None:
     tls = TLS
     if tls.frames or tls.recompute_modes or rec.policy is None or not rec.policy.op_rules:
         return None
-    mode = OpRuleMode(rec.policy.op_table, rec.device_type)
+    mode = OpRuleMode(rec.policy._op_table, rec.device_type)
     mode.__enter__()
     tls.recompute_modes += 1
     return mode

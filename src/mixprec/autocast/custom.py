@@ -125,6 +125,7 @@ def custom_fwd(
         dev = fixed or _infer_device((inputs, kwargs))
         enabled = torch.is_autocast_enabled(dev)
         state = _FwdState(dev, enabled and cast_inputs is None, torch.get_autocast_dtype(dev))
+        record = not has_ctx and _may_backward((inputs, kwargs))  # before any cast
         if has_ctx:
             setattr(args[0], _ATTR, state)
         else:
@@ -134,7 +135,7 @@ def custom_fwd(
             out = run_without_autocast(dev, forward, *head, *inputs, **kwargs)
         else:
             out = forward(*head, *inputs, **kwargs)
-        if not has_ctx and _may_backward((inputs, kwargs)):
+        if record:
             outs = [t for t in tree_leaves(out) if isinstance(t, torch.Tensor)]
             with _LOCK:
                 _PENDING.append((outs, state))

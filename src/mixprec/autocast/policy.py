@@ -204,6 +204,8 @@ class Policy:
             self._add(False, key, Rule.coerce(value))
         for key, value in (ops or {}).items():
             self._add(True, key, Rule.coerce(value))
+        self._op_rules = tuple(self._ops.values())  # read on hot paths: computed once
+        self._op_table = {name: op.rule for name, op in self._ops.items()}
 
     def _add(self, is_op: bool, key: object, rule: Rule) -> None:
         if is_op:
@@ -236,12 +238,12 @@ class Policy:
     @property
     def op_rules(self) -> tuple[OpRule, ...]:
         """The op rules, in insertion order. Host sync: none."""
-        return tuple(self._ops.values())
+        return self._op_rules
 
     @property
     def op_table(self) -> dict[str, Rule]:
         """Python op name -> rule (what the op interceptor matches). Host sync: none."""
-        return {name: op.rule for name, op in self._ops.items()}
+        return dict(self._op_table)
 
     @property
     def class_rules(self) -> dict[type[nn.Module], Rule]:

@@ -235,7 +235,7 @@ class autocast:
             entered.hooks = True
             tls.reporting += self.report is not None
         if policy is not None and policy.op_rules and enabled:
-            entered.mode = OpRuleMode(policy.op_table, self.device)
+            entered.mode = OpRuleMode(policy._op_table, self.device)
             entered.mode.__enter__()
         if self.report is not None:
             entered.recorder = self.report.record("forward")
