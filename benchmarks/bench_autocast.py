@@ -9,7 +9,8 @@ Rules change the arithmetic (an fp32 LayerNorm costs more than a bf16 one), so e
 configuration is also compared with a hand-written native equivalent doing the same arithmetic
 (``torch.autocast(enabled=False)`` plus casts inside the module), which isolates mixprec's own cost.
 
-Run: ``python benchmarks/bench_autocast.py [--rounds 200] [--iters 10] [--size tiny|medium]``.
+Run: ``python benchmarks/bench_autocast.py [--rounds 200] [--iters 10] [--size tiny|medium]
+[--device cpu|cuda] [--dtype bf16|fp16]``.
 """
 
 from __future__ import annotations
@@ -29,7 +30,8 @@ from torch import nn
 
 import mixprec
 
-DTYPE = torch.bfloat16
+DEVICE = "cpu"  # set from --device in main()
+DTYPE = torch.bfloat16  # set from --dtype in main()
 
 
 class Fp32(nn.Module):
@@ -40,7 +42,7 @@ class Fp32(nn.Module):
         self.inner = inner
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        with torch.autocast("cpu", enabled=False):
+        with torch.autocast(DEVICE, enabled=False):
             return self.inner(x.float())
 
 
@@ -70,26 +72,26 @@ def configs(d_in: int, d: int) -> dict[str, tuple[nn.Module, Callable[[], Any]]]
     ln_rule = mixprec.Policy(modules={nn.LayerNorm: "fp32"})
     gelu_rule = mixprec.Policy(ops={F.gelu: "fp32"})
     return {
-        "torch.autocast": (base, lambda: torch.autocast("cpu", dtype=DTYPE)),
+        "torch.autocast": (base, lambda: torch.autocast(DEVICE, dtype=DTYPE)),
         "mixprec, no policy": (
             copy.deepcopy(base),
-            lambda: mixprec.autocast("cpu", DTYPE),
+            lambda: mixprec.autocast(DEVICE, DTYPE),
         ),
         "mixprec, module rule LayerNorm=fp32": (
             copy.deepcopy(base),
-            lambda: mixprec.autocast("cpu", DTYPE, policy=ln_rule),
+            lambda: mixprec.autocast(DEVICE, DTYPE, policy=ln_rule),
         ),
         "  native hand-written LayerNorm fp32": (
             hand_fp32(base, (nn.LayerNorm,)),
-            lambda: torch.autocast("cpu", dtype=DTYPE),
+            lambda: torch.autocast(DEVICE, dtype=DTYPE),
         ),
         "mixprec, op rule gelu=fp32": (
             copy.deepcopy(base),
-            lambda: mixprec.autocast("cpu", DTYPE, policy=gelu_rule),
+            lambda: mixprec.autocast(DEVICE, DTYPE, policy=gelu_rule),
         ),
         "  native hand-written GELU fp32": (
             hand_fp32(base, (nn.GELU,)),
-            lambda: torch.autocast("cpu", dtype=DTYPE),
+            lambda: torch.autocast(DEVICE, dtype=DTYPE),
         ),
     }
 
@@ -108,6 +110,8 @@ def run_steps(
         loss.backward()
         for p in model.parameters():
             p.grad = None
+    if DEVICE == "cuda":
+        torch.cuda.synchronize()  # time the work, not the launches
     return (time.perf_counter() - start) / iters * 1e6
 
 
@@ -155,14 +159,22 @@ def main() -> None:
     parser.add_argument("--iters", type=int, default=10)
     parser.add_argument("--size", choices=["tiny", "medium"], default="tiny")
     parser.add_argument("--threads", type=int, default=1)
+    parser.add_argument("--device", default="cpu")
+    parser.add_argument("--dtype", choices=["bf16", "fp16"], default="bf16")
     args = parser.parse_args()
+    global DEVICE, DTYPE
+    DEVICE = args.device
+    DTYPE = torch.bfloat16 if args.dtype == "bf16" else torch.float16
     torch.set_num_threads(args.threads)
     batch, d_in, d = (16, 32, 64) if args.size == "tiny" else (128, 256, 1024)
-    x, y = torch.randn(batch, d_in), torch.randint(0, 10, (batch,))
-    times = measure(configs(d_in, d), x, y, args.rounds, args.iters)
+    x = torch.randn(batch, d_in, device=DEVICE)
+    y = torch.randint(0, 10, (batch,), device=DEVICE)
+    cfgs = {name: (model.to(DEVICE), ctx) for name, (model, ctx) in configs(d_in, d).items()}
+    times = measure(cfgs, x, y, args.rounds, args.iters)
     print(
         f"torch {torch.__version__}, size={args.size} (B={batch}, {d_in}->{d}), "
-        f"threads={args.threads}, {args.rounds} rounds x {args.iters} steps, dtype={DTYPE}"
+        f"threads={args.threads}, {args.rounds} rounds x {args.iters} steps, "
+        f"device={DEVICE}, dtype={DTYPE}"
     )
     report(times)
 
