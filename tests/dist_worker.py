@@ -70,7 +70,7 @@ def train(
     clip: float | None = None,
 ) -> dict[str, Any]:
     """The training loop every scenario uses; records scale and skip per iteration."""
-    scales, skipped = [], []
+    scales, skipped, norms = [], [], []
     for it in iters:
         x, y = batches(it)
         opt.zero_grad(set_to_none=True)
@@ -79,14 +79,16 @@ def train(
             poison_(next(model.parameters()).grad)
         if unscale:
             scaler.unscale_(opt)
-        if clip is not None:
-            scaler.clip_grad_norm_(opt, clip)
+        if clip is not None:  # the norm, and torch's norm of this rank's unscaled grads
+            grads = [q.grad / scaler.get_scale() for q in model.parameters()]
+            norms.append(float(torch.nn.utils.get_total_norm(grads)))
+            norms.append(float(scaler.clip_grad_norm_(opt, clip)))
         before = steps_taken(opt)
         scaler.step(opt)
         scaler.update()
         skipped.append(steps_taken(opt) == before)
         scales.append(scaler.get_scale())
-    return {"scales": scales, "skipped": skipped}
+    return {"scales": scales, "skipped": skipped, "norms": norms}
 
 
 def steps_taken(opt: torch.optim.Optimizer) -> float:
@@ -286,7 +288,7 @@ def scenario_join(rank: int) -> dict[str, Any]:
     for clip in (None, 1.0):  # shadow iterations replay a found-inf MAX, or a clipping's norm
         model = DDP(make_model())
         opt = torch.optim.Adam(model.parameters(), lr=1e-2)
-        scaler = scaler_for(dist.group.WORLD)
+        scaler = scaler_for(dist.group.WORLD if clip is None else None)  # DDP needs no group
         poison = {5} if rank == 1 else set()
         with Join([model, JoinableScaler(scaler)]):
             iters = range(3 if rank == 0 else ITERS)

@@ -150,6 +150,37 @@ def _mesh_group(grads: Iterable[torch.Tensor]) -> Any:
     )
 
 
+def _shard_group(grads: Iterable[torch.Tensor]) -> Any:
+    """The group over which DTensor grads are sharded (for summing norms).
+
+    Replicated mesh dimensions (HSDP's replicas, tensor-parallel replicated parameters) must not
+    be summed over. Supported: one mesh on which every grad is sharded on the same dimensions,
+    either one dimension or all of a mesh that covers the world.
+
+    Raises:
+        ConfigError: other layouts (names them; says to clip with torch's DTensor-aware
+            ``clip_grad_norm_`` after ``unscale_``).
+    """
+    dtensor = dtensor_type()
+    layouts = {
+        (grad.device_mesh, tuple(i for i, p in enumerate(grad.placements) if not p.is_replicate()))
+        for grad in grads
+        if isinstance(grad, dtensor)
+    }
+    if len(layouts) == 1:
+        mesh, dims = layouts.pop()
+        if len(dims) == 1:
+            return mesh.get_group(dims[0])
+        if len(dims) == mesh.ndim and mesh.size() == _dist().get_world_size():
+            return _dist().group.WORLD
+    raise ConfigError(
+        "scaler.clip_grad_norm_ cannot tell which ranks to sum the norm over: this optimizer's "
+        "DTensor gradients are sharded on several mesh layouts or mesh dimensions. Call "
+        "scaler.unscale_(optimizer), then torch.nn.utils.clip_grad_norm_(params, max_norm), "
+        "which reads the DTensor placements."
+    )
+
+
 @dataclass
 class DistState:
     """A GradScaler's distributed settings and counters (the shell calls it; not public).
@@ -160,10 +191,12 @@ class DistState:
             found-inf MAX, ``p`` for the norm all-reduce of a clipping (``p`` > 0 or inf).
         last_issued: the same for the previous iteration (Join's shadow iterations replay it).
         total_collectives: all all-reduces this scaler issued (for measurements).
+        join_group: the group of a :class:`JoinableScaler` (flags only, never norms).
         joinable: the :class:`JoinableScaler` wrapping the scaler, if any.
     """
 
     group: Any = None
+    join_group: Any = None
     issued: list[float] = field(default_factory=list)
     last_issued: list[float] = field(default_factory=list)
     total_collectives: int = 0
@@ -172,9 +205,22 @@ class DistState:
     def prepare(self, plan: GradPlan) -> tuple[GradPlan, Any, bool]:
         """``(plan with DTensor grads replaced by local shards, group, agree?)``.
 
-        Also drops from ``plan.low_precision`` the fp16 grads of non-fp16 parameters (FSDP1's
-        ``keep_low_precision_grads``): the optimizer still updates fp32 weights, so they are
-        unscaled like torch's ShardedGradScaler does; fp16 *parameters* are still rejected.
+        The group is the explicit ``process_group``, else the DTensor grads' mesh group, else
+        the group of a :class:`~mixprec.distributed.JoinableScaler` (replicated grads under
+        ``Join``). Also drops from ``plan.low_precision`` the fp16 grads of non-fp16 parameters
+        (FSDP1's ``keep_low_precision_grads``): the optimizer still updates fp32 weights, so they
+        are unscaled as torch's ShardedGradScaler does; fp16 *parameters* are still rejected.
+
+        Host sync: none.
+        """
+        plan, flags, _ = self.prepare_clip(plan, norms=False)
+        return plan, flags, flags is not None
+
+    def prepare_clip(self, plan: GradPlan, norms: bool = True) -> tuple[GradPlan, Any, Any]:
+        """``(local plan, group agreeing on the flag, group the grads are sharded over)``.
+
+        Norms are summed over the third: the explicit ``process_group``, or the mesh dimensions
+        DTensor grads are sharded on; None for replicated grads (DDP), whose norm is local.
 
         Host sync: none.
         """
@@ -183,12 +229,13 @@ class DistState:
             if len(kept) != len(plan.low_precision):
                 plan = dataclasses.replace(plan, low_precision=kept)  # plans may be cached: copy
         dtensor = dtensor_type()
-        if dtensor is None:  # torch.distributed not initialised: no DTensors
-            return plan, self.group, self.group is not None
-        grads = list(plan.all_grads())
+        grads = list(plan.all_grads()) if dtensor is not None else []
         if not any(isinstance(grad, dtensor) for grad in grads):
-            return plan, self.group, self.group is not None
-        group = self.group if self.group is not None else _mesh_group(grads)
+            if self.group is not None:
+                return plan, self.group, self.group
+            return plan, self.join_group, None
+        flags = self.group if self.group is not None else _mesh_group(grads)
+        sharded = self.group if self.group is not None or not norms else _shard_group(grads)
         fresh: dict[str, Any] = (
             {"dense": {}, "flat": {}} if hasattr(plan, "flat") else {"dense": {}}
         )
@@ -196,7 +243,7 @@ class DistState:
         for grad in grads:
             grad = grad.to_local() if isinstance(grad, dtensor) else grad
             local.dense.setdefault((grad.device, grad.dtype), []).append(grad)
-        return local, group, True
+        return local, flags, sharded
 
     def agree_(
         self, found_inf_per_device: dict[torch.device, torch.Tensor], group: Any, device: Any

@@ -7,7 +7,7 @@ from typing import Any
 import torch
 from torch.distributed.algorithms.join import Joinable, JoinHook
 
-from mixprec.distributed.agree import agree_found_inf_, comm_device
+from mixprec.distributed.agree import agree_found_inf_, comm_device, validate_group
 from mixprec.distributed.norms import all_reduce_norm_
 from mixprec.errors import ConfigError
 from mixprec.scaler.phases import OptState
@@ -21,44 +21,47 @@ class JoinableScaler(Joinable):
     A rank that runs out of batches stops calling ``update()``; without help its growth counter
     and scale fall behind the others' (pytorch#90057). Inside ``Join([model, JoinableScaler(s)])``
     each iteration a joined rank still runs while others train becomes a *shadow iteration*: it
-    takes part in the same number of found-inf all-reduces as a training rank (with 0) and calls
-    ``update()`` with the agreed flag, so scale, growth counter and counters stay identical on
-    every rank. The scaler must have been built with ``process_group=`` the join's group (DDP's,
-    usually ``torch.distributed.group.WORLD``). List the model first: the first joinable signals
-    the context each iteration, before its own collectives. A shadow iteration issues as many
-    all-reduces, of the same kinds, as the joined rank's last real iteration did (one per
-    optimizer: a found-inf MAX, or the norm of ``scaler.clip_grad_norm_``), so every iteration
-    must check the same optimizers the same way.
+    takes part in the same all-reduces as a training rank (with 0) and calls ``update()`` with
+    the agreed flag, so scale, growth counter and counters stay identical on every rank. While
+    joined, the scaler agrees on every skip over the join's group even when it has no
+    ``process_group`` (DDP's replicated grads need none otherwise; their clipping norm stays
+    local). List the model first: the first joinable signals the context each iteration, before
+    its own collectives. A shadow iteration replays the all-reduces of the joined rank's last
+    real iteration (one per optimizer: a found-inf MAX, or the norm of
+    ``scaler.clip_grad_norm_``), so every iteration must check the same optimizers the same way.
 
     Args:
-        scaler: the :class:`~mixprec.GradScaler` (enabled, with a process group).
+        scaler: the :class:`~mixprec.GradScaler`.
+        process_group: the join's group (the DDP model's); default: the scaler's
+            ``process_group``, else the world.
 
     Raises:
-        ConfigError: the scaler has no ``process_group``.
+        ConfigError: torch.distributed is not initialised.
 
     Example:
         >>> import torch.distributed as dist, mixprec
         >>> from mixprec.distributed import JoinableScaler
         >>> dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
-        >>> scaler = mixprec.GradScaler(process_group=dist.group.WORLD)
-        >>> JoinableScaler(scaler).join_process_group is dist.group.WORLD
+        >>> JoinableScaler(mixprec.GradScaler()).join_process_group is dist.group.WORLD
         True
         >>> dist.destroy_process_group()
 
     Host sync: none at construction; a joined rank reads each shadow iteration's flag.
     """
 
-    def __init__(self, scaler: Any) -> None:
+    def __init__(self, scaler: Any, process_group: Any = None) -> None:
         super().__init__()
-        group = scaler._dist.group
-        if group is None:
+        import torch.distributed as dist
+
+        if not dist.is_available() or not dist.is_initialized():
             raise ConfigError(
-                "JoinableScaler needs a scaler that agrees across ranks: build it with "
-                "GradScaler(..., process_group=torch.distributed.group.WORLD) (the same group as "
-                "the DDP model's)."
+                "JoinableScaler needs torch.distributed: call "
+                "torch.distributed.init_process_group(...) before wrapping the scaler."
             )
+        group = validate_group(process_group) or scaler._dist.group or dist.group.WORLD
         self._scaler = scaler
         self._group = group
+        scaler._dist.join_group = group
         scaler._dist.joinable = self
 
     def join_hook(self, **kwargs: Any) -> JoinHook:

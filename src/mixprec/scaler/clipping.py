@@ -46,8 +46,9 @@ class ClippingMixin(ScalerCore):
         is inf/NaN the returned norm is inf/NaN and the next ``step`` skips (no error). The norm
         is computed over the optimizer's own parameters only; the flat fast path applies to
         grads laid out by :func:`mixprec.flatten_grads` or DDP bucket views. With a
-        ``process_group`` (or DTensor grads) the norm is the global one over every rank's shards,
-        combined with one all-reduce that also serves as the ranks' overflow agreement.
+        ``process_group`` (the group the grads are sharded over) or DTensor grads, the norm is the
+        global one over every rank's shards, combined with one all-reduce that also serves as the
+        ranks' overflow agreement. DDP's replicated grads need no group: their norm is local.
 
         Args:
             optimizer: the optimizer whose gradients are unscaled and clipped.
@@ -86,10 +87,10 @@ class ClippingMixin(ScalerCore):
             return torch.nn.utils.clip_grad_norm_(params, max_norm, norm_type, error_if_nonfinite)
         norm_type = clip.validate_norm_type(norm_type)
         limit = _validated_limit(max_norm, "max_norm")
-        record, plan, group = self._plan_for_clip(optimizer, "clip_grad_norm_")
+        record, plan, (flags, sharded) = self._plan_for_clip(optimizer, "clip_grad_norm_")
         reduce = None  # sharded grads: the global norm, one all-reduce (mixprec.distributed)
-        if group is not None:
-            reduce = functools.partial(self._dist.reduce_norm_, norm_type=norm_type, group=group)
+        if sharded is not None:
+            reduce = functools.partial(self._dist.reduce_norm_, norm_type=norm_type, group=sharded)
         total = clip.clip_grad_norm_(
             plan,
             self._get_inv_scale(),
@@ -100,6 +101,8 @@ class ClippingMixin(ScalerCore):
             error_if_nonfinite=error_if_nonfinite,
             reduce_norm=reduce,
         )
+        if flags is not None and sharded is None:  # replicated grads under Join: flags only
+            self._dist.agree_(record.found_inf_per_device, flags, self._get_inv_scale().device)
         _mark_unscaled(record, plan, optimizer)
         return total
 
@@ -137,7 +140,7 @@ class ClippingMixin(ScalerCore):
             torch.nn.utils.clip_grad_value_(params, clip_value)
             return
         limit = _validated_limit(clip_value, "clip_value")
-        record, plan, group = self._plan_for_clip(optimizer, "clip_grad_value_")
+        record, plan, (group, _) = self._plan_for_clip(optimizer, "clip_grad_value_")
         clip.clip_grad_value_(
             plan,
             self._get_inv_scale(),
@@ -154,18 +157,19 @@ class ClippingMixin(ScalerCore):
 
     def _plan_for_clip(
         self, optimizer: _Optimizer, what: str
-    ) -> tuple[OptimizerRecord, GradPlan, Any]:
-        """The record, the plan (DTensor grads as local shards) and the group to agree over."""
+    ) -> tuple[OptimizerRecord, GradPlan, tuple[Any, Any]]:
+        """The record, the plan (DTensor grads as local shards) and the groups that agree on the
+        flag and that the grads are sharded over (mixprec.distributed)."""
         self._require_state(what)
         try:
             record = self._phases.check_can_unscale(optimizer)
         except ScalerStateError as exc:
             raise ScalerStateError(f"{what}() unscales the gradients, so: {exc}") from None
-        plan, group, agree = self._dist.prepare(plan_grads(optimizer))
+        plan, flags, sharded = self._dist.prepare_clip(plan_grads(optimizer))
         if plan.low_precision:
             raise LowPrecisionGradError(diagnostics.low_precision_message(plan.low_precision))
         clip.validate_plan(plan, what)
-        return record, plan, group if agree else None
+        return record, plan, (flags, sharded)
 
 
 def _validated_limit(value: float, name: str) -> float:
