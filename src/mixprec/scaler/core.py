@@ -193,8 +193,9 @@ class ScalerCore:
 
     @property
     def process_group(self) -> Any:
-        """The group whose ranks agree on every skip (None: no agreement unless the grads are
-        DTensors). Not saved in state dicts or pickles: set it again after unpickling.
+        """The group the grads are sharded over, whose ranks agree on every skip and over which
+        ``clip_grad_norm_`` sums norms (None: no agreement unless the grads are DTensors; DDP
+        needs none). Not saved in state dicts or pickles: set it again after unpickling.
 
         Raises:
             ConfigError: (setter) not None or a ``torch.distributed.ProcessGroup``.

@@ -66,10 +66,11 @@ class GradScaler(ClippingMixin, ScalerSignals):
         hysteresis: keyword-only; back off only on the N-th consecutive overflowing iteration.
         max_consecutive_skips: keyword-only; raise :class:`~mixprec.ScaleCollapseError` on the
             N-th consecutive skipped iteration.
-        process_group: keyword-only ``torch.distributed`` group whose ranks must agree on every
-            skip (sharded grads: FSDP1, ZeRO, tensor parallel): one MAX all-reduce of the
-            found-inf flag per optimizer per iteration. Not needed for DDP; detected for
-            DTensor (FSDP2) grads. Not saved in state dicts or pickles. See
+        process_group: keyword-only ``torch.distributed`` group the grads are sharded over
+            (FSDP1, ZeRO, tensor parallel): its ranks agree on every skip with one MAX
+            all-reduce of the found-inf flag per optimizer per iteration, and
+            ``clip_grad_norm_`` sums norms over it. Not for DDP (replicated grads); detected
+            for DTensor (FSDP2) grads. Not saved in state dicts or pickles. See
             ``docs/distributed.md``.
 
     Example:
