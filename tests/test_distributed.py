@@ -38,6 +38,8 @@ def run_world(outdir: Path, scenarios: list[str]) -> list[dict[str, Any]]:
     world_id = uuid.uuid4().hex[:8]
     port_file = outdir / f"port-{world_id}.txt"  # rank 0 binds a free port and writes it here
     env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONWARNINGS": "ignore"}
+    if sys.platform.startswith("linux"):  # gloo on the loopback, whatever the hostname resolves to
+        env.setdefault("GLOO_SOCKET_IFNAME", "lo")
     procs, logs = [], []
     try:
         for rank in range(WORLD):
