@@ -191,7 +191,8 @@ def run(args: argparse.Namespace) -> int:
         print(_report.as_json(config, results, figure), file=out)
     else:
         print(f"\n{_report.table(results)}\n\n{_report.verdict(results)}", file=out)
-        print(f"Figure: {figure}" if figure else "", file=out)
+        if figure:
+            print(f"Figure: {figure}", file=out)
     if note:
         print(f"mixprec demo: note: {note}", file=sys.stderr)
     return 0
