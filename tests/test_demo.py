@@ -113,6 +113,7 @@ BAD_OPTIONS = {
     "steps not int": (["--steps", "ten"], "--steps"),
     "dtype": (["--dtype", "int8"], "float16 or bfloat16"),
     "device name": (["--device", "gpu0"], "not a device"),
+    "device without data": (["--device", "meta"], "cannot be used"),
     "inject after end": (["--steps", "5", "--inject-inf", "5"], "0..4"),
     "inject negative": (["--inject-inf", "-1"], "--inject-inf"),
     "seed": (["--seed", "x"], "--seed"),

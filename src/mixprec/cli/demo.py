@@ -59,7 +59,7 @@ def _device(text: str) -> torch.device:
             "use --device cpu"
         )
     try:
-        torch.empty(1, device=dev)
+        float((torch.ones(2, device=dev) + 1).sum())  # allocates, computes and reads back
     except Exception as exc:  # any backend error means the device cannot be used
         first = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
         raise argparse.ArgumentTypeError(
