@@ -44,7 +44,10 @@ class Progress:
             self._bar.close()
 
     def update(self) -> None:
-        """Advance by one step."""
+        """Advance by one step.
+
+        Host sync: none.
+        """
         self.count += 1
         if not self.enabled:
             return
