@@ -335,3 +335,21 @@ def test_fp16_grads_are_named_and_left_untouched() -> None:
         assert torch.equal(half.grad, torch.full((2,), 3.0, dtype=torch.float16))
 
     check(run, LowPrecisionGradError, "param_groups[1]['params'][0]")
+
+
+@pytest.mark.parametrize("call", ["unscale_", "step"])
+@pytest.mark.parametrize("what", ["model", "None", "str"])
+def test_a_non_optimizer_is_refused_before_any_record_exists(call: str, what: str) -> None:
+    def run(rig: Rig) -> None:
+        records = len(rig.scaler._phases)
+        bad = {"model": rig.modules[1], "None": None, "str": "opt"}[what]
+        try:
+            getattr(rig.scaler, call)(bad)
+        finally:
+            assert len(rig.scaler._phases) == records  # no phantom record (pickle would refuse)
+
+    name = {"model": "Linear", "None": "NoneType", "str": "str"}[what]
+    needles = [f"{call}() expects a torch.optim.Optimizer", f"got {name}."]
+    if what == "model":
+        needles.append("Pass the optimizer, not the model.")
+    check(run, ConfigError, *needles)

@@ -13,7 +13,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from mixprec.errors import ScalerStateError
+from mixprec.errors import ConfigError, ScalerStateError
 from mixprec.kernels.plan import ParamRef
 
 __all__ = ["OptState", "OptimizerRecord", "PhaseTable"]
@@ -73,6 +73,7 @@ class PhaseTable:
 
     def check_can_unscale(self, optimizer: object) -> OptimizerRecord:
         """The record, after checking that ``unscale_`` is allowed now."""
+        _check_optimizer(optimizer, "unscale_")
         record = self.get(optimizer)
         if record.stage is OptState.UNSCALED:
             raise ScalerStateError(
@@ -91,6 +92,7 @@ class PhaseTable:
 
     def check_can_step(self, optimizer: object) -> OptimizerRecord:
         """The record, after checking that ``step`` is allowed now."""
+        _check_optimizer(optimizer, "step")
         record = self.get(optimizer)
         if record.stage is OptState.STEPPED:
             raise ScalerStateError(
@@ -99,3 +101,15 @@ class PhaseTable:
                 "optimizer."
             )
         return record
+
+
+def _check_optimizer(optimizer: object, method: str) -> None:
+    """Refuse a non-optimizer before any record exists for it (a model is the usual mistake)."""
+    if not hasattr(optimizer, "param_groups"):
+        hint = (
+            " Pass the optimizer, not the model." if isinstance(optimizer, torch.nn.Module) else ""
+        )
+        raise ConfigError(
+            f"{method}() expects a torch.optim.Optimizer (an object with param_groups), got "
+            f"{type(optimizer).__name__}.{hint}"
+        )
