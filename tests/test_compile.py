@@ -148,7 +148,10 @@ def test_fused_iteration_compiles_and_matches_eager() -> None:
     assert scaler.stats() == eager_scaler.stats()
     assert scaler.state_dict() == eager_scaler.state_dict()
     for p, q in zip(model.parameters(), eager_model.parameters(), strict=True):
-        assert torch.equal(p, q)
+        if BACKEND == "inductor":  # its generated forward kernels round differently from eager
+            torch.testing.assert_close(p, q, rtol=1e-4, atol=1e-6)
+        else:
+            assert torch.equal(p, q)
 
 
 def test_torch_gradscaler_breaks_the_graph_at_scale() -> None:
