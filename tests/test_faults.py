@@ -209,10 +209,12 @@ def test_exception_in_an_update_hook_leaves_a_consistent_scaler() -> None:
     assert scaler.get_scale() == 2 * SETTINGS["init_scale"]
 
 
+@pytest.mark.filterwarnings("ignore::mixprec.errors.ScaleCollapseWarning")
+@pytest.mark.parametrize("init_scale", [2.0**8, 0.5])  # below 1: the fused path unscales first
 @pytest.mark.parametrize("fused", [False, True], ids=["sgd", "fused-adam"])
-def test_step_without_grads_can_be_retried_after_backward(fused: bool) -> None:
+def test_step_without_grads_can_be_retried_after_backward(fused: bool, init_scale: float) -> None:
     model, opt = make(fused)
-    scaler = mixprec.GradScaler(**SETTINGS)
+    scaler = mixprec.GradScaler(**{**SETTINGS, "init_scale": init_scale})
     scaler.scale(loss_of(model, 0))  # forgot backward()
     with pytest.raises(MissingGradError, match=r"has a \.grad"):
         scaler.step(opt)
@@ -221,7 +223,7 @@ def test_step_without_grads_can_be_retried_after_backward(fused: bool) -> None:
     scaler.step(opt)  # the grads are unscaled and checked now: a real step
     scaler.update()
     assert not all(torch.equal(p, q) for p, q in zip(model.parameters(), before, strict=True))
-    assert scaler.get_scale() == SETTINGS["init_scale"]
+    assert scaler.get_scale() == init_scale
     assert scaler.stats().steps_taken == 1
 
 

@@ -28,6 +28,7 @@ import math
 import pickle
 from dataclasses import dataclass, field
 
+import pytest
 import torch
 from hypothesis import HealthCheck, settings
 from hypothesis import strategies as st
@@ -198,18 +199,20 @@ class ScalerMachine(RuleBasedStateMachine):
 
     @rule(
         form=st.sampled_from(["float", "int", "tensor"]),
-        exponent=st.integers(min_value=-1, max_value=20),
+        exponent=st.integers(min_value=-4, max_value=20),
     )
     def update_new_scale(self, form: str, exponent: int) -> None:
         m = self.model
-        value = 2.0 ** max(exponent, 0)
+        value = 2.0**exponent
         arg: object = {"float": value, "int": int(value), "tensor": torch.tensor(value)}[form]
         if form == "int" and exponent < 0:
             arg = 0  # not a valid scale: ConfigError, and nothing changes
+        elif form == "int" and exponent == 0:
+            arg = -1
         if not m.initialised:
             _raises(ScalerStateError, self.scaler.update, arg)
             return
-        if arg == 0:
+        if isinstance(arg, int) and arg <= 0:
             _raises(ConfigError, self.scaler.update, arg)
             return
         _raises(None, self.scaler.update, arg)
@@ -274,4 +277,8 @@ ScalerMachine.TestCase.settings = settings(
     deadline=None,
     suppress_health_check=[HealthCheck.too_slow],
 )
-TestScalerMachine = ScalerMachine.TestCase
+# Scales below 1 (reachable with update(new_scale)) take mixprec's other unscale path; the
+# warning they raise is the subject of the telemetry tests, not of this one.
+TestScalerMachine = pytest.mark.filterwarnings("ignore::mixprec.errors.ScaleCollapseWarning")(
+    ScalerMachine.TestCase
+)

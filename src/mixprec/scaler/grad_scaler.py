@@ -250,6 +250,8 @@ class GradScaler(ClippingMixin, ScalerSignals):
             return self._step_legacy_fused(optimizer, record, args, kwargs)
         if record.stage is OptState.READY and self._mirror.scale_may_be_below_one:
             self._unscale_into(optimizer, record)  # the kernel's own division could overflow
+            if not record.found_inf_per_device:  # no grad: stay READY (see step)
+                record.stage = OptState.READY
         scale_device = self._require_state("step").scale.device
         if record.stage is OptState.READY:
             record.optimizer = weakref.ref(optimizer)
