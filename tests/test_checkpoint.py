@@ -200,3 +200,20 @@ def test_hooks_are_not_copied_and_say_so() -> None:
     scaler.register_update_hook(lambda s, e: None)
     twin = pickle.loads(pickle.dumps(scaler))
     assert len(scaler._hooks) == 1 and len(twin._hooks) == 0
+
+
+@pytest.mark.parametrize("order", ["init, load", "load, init", "load, load"])
+def test_load_in_any_order_with_the_lazy_init_hook(order: str) -> None:
+    """accelerate#4289: torch asserts '_growth_tracker initialized before _scale' there."""
+    source, _, _ = _trained_scaler()
+    state = source.state_dict()
+    scaler = mixprec.GradScaler()
+    for action in order.split(", "):
+        if action == "init":
+            scaler._lazy_init_scale_growth_tracker("cpu")
+        else:
+            scaler.load_state_dict(state)
+    scaler._lazy_init_scale_growth_tracker("cpu")
+    assert scaler.state_dict() == state
+    assert scaler.stats() == source.stats()
+    assert torch.equal(scaler.scale(torch.ones(())), torch.tensor(state["scale"]))
