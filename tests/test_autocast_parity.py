@@ -162,3 +162,23 @@ def test_compile_parity_and_rules_without_graph_breaks() -> None:
     with pytest.raises(ConfigError, match="around the compiled call"):
         inside(lambda: mixprec.autocast("cpu", torch.bfloat16, policy=policy))
     assert not torch.is_autocast_enabled("cpu")
+
+
+@pytest.mark.parametrize("reentrant", [False, True])
+def test_checkpoint_parity_without_policy(reentrant: bool) -> None:
+    from torch.utils.checkpoint import checkpoint
+
+    model, x, y = make("transformer")
+    x.requires_grad_(reentrant)
+
+    def run(ctx: Callable[[], AbstractContextManager[Any]]) -> list[torch.Tensor]:
+        model.zero_grad(set_to_none=True)
+        with ctx():
+            h = checkpoint(model.encoder, x, use_reentrant=reentrant)
+            loss = torch.nn.functional.cross_entropy(model.head(model.norm(h)).mean(1), y)
+        loss.backward()
+        return [loss.detach(), *(p.grad for p in model.parameters() if p.grad is not None)]
+
+    native = run(lambda: torch.autocast("cpu", dtype=BF16))
+    ours = run(lambda: mixprec.autocast("cpu", BF16))
+    assert bitwise_equal(native, ours)
