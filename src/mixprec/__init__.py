@@ -61,11 +61,6 @@ from mixprec.integrations.plot import plot
 from mixprec import distributed
 from mixprec.distributed import JoinableScaler, distributed_clip_grad_norm_
 
-# --- distributed exports (owned by the distributed work) ---
-# isort: split
-from mixprec import distributed
-from mixprec.distributed import JoinableScaler, distributed_clip_grad_norm_
-
 __version__ = "0.1.0"
 
 __all__ = [
@@ -75,7 +70,6 @@ __all__ = [
     "FlatGrads",
     "GradScaler",
     "HistoryEntry",
-    "JoinableScaler",
     "JoinableScaler",
     "LowPrecisionGradError",
     "MasterWeights",
@@ -102,8 +96,6 @@ __all__ = [
     "autocast",
     "custom_bwd",
     "custom_fwd",
-    "distributed",
-    "distributed_clip_grad_norm_",
     "distributed",
     "distributed_clip_grad_norm_",
     "find_nonfinite",
