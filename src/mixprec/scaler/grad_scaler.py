@@ -377,7 +377,7 @@ class GradScaler(ClippingMixin, ScalerSignals):
         used_scale = update_scale_(state, total, self._config, clamp=near_floor)
         skipped = [r.skipped for r in records]
         overflow = None if None in skipped else any(skipped)
-        self._mirror.advance(state, overflow, self._config)
+        self._mirror.advance(state, overflow, self._config, total)
         iteration = self._next_iteration(state)  # compile-safe, see ScalerCore._next_iteration
         event = UpdateEvent(iteration, state.scale, total, total != 0)
         self._last_iteration_skip = event.skipped
