@@ -152,3 +152,21 @@ def test_scripted_bounds_and_floor() -> None:
 def test_growth_never_reaches_inf() -> None:
     cfg = ScalerConfig(init_scale=3.0e38, growth_interval=1)
     assert _trajectory(cfg, "...") == [(to_f32(3.0e38), 0, 0)] * 3
+
+
+def test_lowering_the_growth_interval_caps_the_tracker() -> None:
+    import mixprec
+
+    scaler = mixprec.GradScaler(init_scale=4.0, growth_interval=10)
+    param = torch.nn.Parameter(torch.ones(1))
+    opt = torch.optim.SGD([param], lr=0.0)
+    for _ in range(6):
+        scaler.scale(param.sum()).backward()
+        scaler.step(opt)
+        scaler.update()
+    scaler.set_growth_interval(3)
+    assert scaler._get_growth_tracker() == 2
+    scaler.scale(param.sum()).backward()
+    scaler.step(opt)
+    scaler.update()
+    assert scaler.get_scale() == 8.0

@@ -7,6 +7,7 @@ signals users read (skip flags, stats, history, hooks) in :mod:`mixprec.scaler.s
 
 from __future__ import annotations
 
+import dataclasses
 from collections import OrderedDict
 from collections.abc import Callable, Mapping
 from typing import Any
@@ -184,8 +185,22 @@ class ScalerCore:
         return self._config.growth_interval
 
     def set_growth_interval(self, new_interval: int) -> None:
-        """Set the growth interval (an int >= 1). Raises ConfigError otherwise. Host sync: none."""
+        """Set the growth interval (an int >= 1). Raises ConfigError otherwise.
+
+        Clean iterations already counted beyond the new interval are capped at one short of it,
+        so the scale grows at the next clean iteration (torch's kernel compares with ``==`` and
+        would not grow again for 2**31 iterations).
+
+        Host sync: none.
+        """
         self._config = self._config.with_(growth_interval=new_interval)
+        cap = self._config.growth_interval - 1
+        if self._state is not None:
+            self._state.growth_tracker.clamp_(max=cap)
+        if self._mirror.exact is not None and self._mirror.exact.growth_tracker > cap:
+            self._mirror.exact = dataclasses.replace(self._mirror.exact, growth_tracker=cap)
+        if self._pending.growth_tracker > cap:
+            self._pending = dataclasses.replace(self._pending, growth_tracker=cap)
 
     def is_enabled(self) -> bool:
         """Whether this scaler scales. Host sync: none."""
