@@ -241,11 +241,13 @@ def _global_pre(module: nn.Module, args: Any) -> Any:
     tls = TLS
     if not tls.frames or isinstance(module, GraphModule):  # compiler artifacts are not model code
         return None
+    frame = tls.frames[-1]
+    policy = frame.policy
+    if policy is not None and not tls.reporting and not policy.has_module_rules:
+        return _op_only_pre(frame, module, args)  # names are not needed: skip them
     name = _name_of(module)
     if tls.reporting:
         tls.stack.append(name)
-    frame = tls.frames[-1]
-    policy = frame.policy
     if policy is None:
         return None
     frame.names_seen.add(name)
@@ -259,6 +261,18 @@ def _global_pre(module: nn.Module, args: Any) -> Any:
         # First call of a module outside the prepared tree (typically the root): its own pre-hook
         # list was read before we attached, so apply the rule here (positional inputs only); its
         # post-hook list is read after forward, so the instance post-hook will restore.
+        result = _instance_pre(module, args, {})
+        return None if result is None else result[0]
+    return None
+
+
+def _op_only_pre(frame: Frame, module: nn.Module, args: Any) -> Any:
+    """Policies with op rules only: hooks just for modules that checkpoint may recompute."""
+    rec = _record(module)
+    if rec is None and not _in_checkpoint():
+        return None
+    name = rec.name if rec is not None and rec.name is not None else f"<{type(module).__name__}>"
+    if _bind(frame, module, name):
         result = _instance_pre(module, args, {})
         return None if result is None else result[0]
     return None
