@@ -73,6 +73,10 @@ def configs(d_in: int, d: int) -> dict[str, tuple[nn.Module, Callable[[], Any]]]
     gelu_rule = mixprec.Policy(ops={F.gelu: "fp32"})
     return {
         "torch.autocast": (base, lambda: torch.autocast(DEVICE, dtype=DTYPE)),
+        "torch.autocast again (A/A control)": (  # its ratio shows the noise floor of this run
+            base,
+            lambda: torch.autocast(DEVICE, dtype=DTYPE),
+        ),
         "mixprec, no policy": (  # the same model object as native: nothing attaches to it
             base,
             lambda: mixprec.autocast(DEVICE, DTYPE),
