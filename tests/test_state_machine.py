@@ -184,31 +184,36 @@ class ScalerMachine(RuleBasedStateMachine):
             assert not unchanged, "a clean step left the parameters unchanged"
         assert self.scaler.last_step_skipped(self.opts[k]) is snap.bad
 
-    @rule()
-    def update(self) -> None:
+    @rule(
+        form=st.sampled_from(["none", "optimizer", "float", "int", "tensor"]),
+        k=st.sampled_from([FUSED, PLAIN]),
+        exponent=st.integers(min_value=-4, max_value=20),
+    )
+    def update(self, form: str, k: int, exponent: int) -> None:
         m = self.model
+        if form in ("float", "int", "tensor"):
+            self._update_new_scale(form, exponent)
+            return
+        arg = self.opts[k] if form == "optimizer" else None
+        if form == "optimizer" and m.phase[k] is OptState.READY:
+            _raises(ScalerStateError, self.scaler.update, arg)
+            return  # the iteration goes on: nothing was reset
         if not m.initialised:
-            _raises(ScalerStateError, self.scaler.update)
+            _raises(ScalerStateError, self.scaler.update, arg)
             return
         if not any(s is not None and s.has_grad for s in m.checked):
-            _raises(MissingGradError, self.scaler.update)
+            _raises(MissingGradError, self.scaler.update, arg)
         else:
-            _raises(None, self.scaler.update)
+            _raises(None, self.scaler.update, arg)
             m.apply_rule()
         m.end_iteration()
 
-    @rule(
-        form=st.sampled_from(["float", "int", "tensor"]),
-        exponent=st.integers(min_value=-4, max_value=20),
-    )
-    def update_new_scale(self, form: str, exponent: int) -> None:
+    def _update_new_scale(self, form: str, exponent: int) -> None:
         m = self.model
         value = 2.0**exponent
         arg: object = {"float": value, "int": int(value), "tensor": torch.tensor(value)}[form]
-        if form == "int" and exponent < 0:
-            arg = 0  # not a valid scale: ConfigError, and nothing changes
-        elif form == "int" and exponent == 0:
-            arg = -1
+        if form == "int" and exponent <= 0:
+            arg = exponent  # 0 or negative: not a valid scale (ConfigError, nothing changes)
         if not m.initialised:
             _raises(ScalerStateError, self.scaler.update, arg)
             return
@@ -219,19 +224,15 @@ class ScalerMachine(RuleBasedStateMachine):
         m.scale = value
         m.end_iteration()
 
-    @rule(k=st.sampled_from([FUSED, PLAIN]))
-    def update_optimizer(self, k: int) -> None:
-        m = self.model
-        if m.phase[k] is OptState.READY:
-            _raises(ScalerStateError, self.scaler.update, self.opts[k])
-            return  # the iteration goes on: nothing was reset
-        self.update()
-
     # ------------------------------------------------------------------ checkpoints
 
-    @rule(kind=st.sampled_from(["pickle", "deepcopy", "fresh"]))
+    @rule(kind=st.sampled_from(["pickle", "deepcopy", "fresh", "in place"]))
     def round_trip(self, kind: str) -> None:
         m = self.model
+        if kind == "in place":  # allowed any time; loading ends the iteration (documented)
+            self.scaler.load_state_dict(self.scaler.state_dict())
+            m.end_iteration()
+            return
         if any(m.touched):
             # Mid-iteration: a clear error, and the scaler is left as it was.
             copier = pickle.dumps if kind == "pickle" else copy.deepcopy
@@ -248,11 +249,6 @@ class ScalerMachine(RuleBasedStateMachine):
             self.scaler = fresh
         # The copy re-creates its tensors on the device of its next scale() output.
         m.initialised = False
-
-    @rule()
-    def reload_in_place(self) -> None:
-        self.scaler.load_state_dict(self.scaler.state_dict())
-        self.model.end_iteration()  # loading ends the iteration (documented)
 
     # ------------------------------------------------------------------ invariants
 
@@ -272,8 +268,8 @@ class ScalerMachine(RuleBasedStateMachine):
 
 
 ScalerMachine.TestCase.settings = settings(
-    max_examples=60,
-    stateful_step_count=25,
+    max_examples=100,
+    stateful_step_count=30,
     deadline=None,
     suppress_health_check=[HealthCheck.too_slow],
 )
