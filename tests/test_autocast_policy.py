@@ -366,3 +366,12 @@ def test_report_only_region_after_a_policy_region_applies_no_rule() -> None:
     with mixprec.autocast("cpu", BF16, report=True):
         net(torch.randn(2, 4))
     assert net.probe.seen == [(True, BF16, BF16)]
+
+
+def test_equal_policies_share_bindings() -> None:
+    a = mixprec.autocast("cpu", policy=Policy(modules={nn.LayerNorm: "fp32"}))
+    b = mixprec.autocast("cpu", policy=Policy(modules={nn.LayerNorm: "fp32"}))
+    c = mixprec.autocast("cpu", policy="nn.LayerNorm=fp32")
+    assert a.policy is b.policy is c.policy
+    d = mixprec.autocast("cpu", policy=Policy(modules={nn.LayerNorm: "fp32"}, strict=False))
+    assert d.policy is not a.policy

@@ -13,7 +13,7 @@ from torch import nn
 from mixprec.autocast.rules import Rule, RuleLike
 from mixprec.errors import ConfigError
 
-__all__ = ["OpRule", "Policy"]
+__all__ = ["OpRule", "Policy", "intern_policy"]
 
 _NAMESPACES: tuple[tuple[str, Any], ...] = (
     ("F", torch.nn.functional),
@@ -353,3 +353,28 @@ def _class_label(cls: type) -> str:
     if getattr(nn, cls.__name__, None) is cls:
         return f"nn.{cls.__name__}"
     return f"{cls.__module__}.{cls.__qualname__}"
+
+
+_INTERNED: dict[tuple[object, ...], Policy] = {}
+_INTERN_LIMIT = 64
+
+
+def intern_policy(policy: Policy) -> Policy:
+    """Return the canonical instance among equal policies (the hooks compare policies by identity).
+
+    A loop that builds an equal ``Policy`` (or passes the same policy string) every step then
+    reuses the bindings made on the first step instead of redoing them.
+
+    Example:
+        >>> intern_policy(Policy("nn.Linear=fp32")) is intern_policy(Policy("nn.Linear=fp32"))
+        True
+
+    Host sync: none.
+    """
+    key = policy._key()
+    found = _INTERNED.get(key)
+    if found is None:
+        if len(_INTERNED) >= _INTERN_LIMIT:
+            _INTERNED.pop(next(iter(_INTERNED)))
+        _INTERNED[key] = found = policy
+    return found

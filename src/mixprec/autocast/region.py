@@ -16,7 +16,7 @@ from mixprec.autocast._modules import (
     release_global_hooks,
 )
 from mixprec.autocast._ops import OpRuleMode
-from mixprec.autocast.policy import Policy
+from mixprec.autocast.policy import Policy, intern_policy
 from mixprec.autocast.report import DtypeReport
 from mixprec.errors import ConfigError
 
@@ -32,11 +32,18 @@ def _check_bool(name: str, value: object, allow_none: bool = False) -> None:
     raise ConfigError(f"{name} must be {accepted}, got {value!r}")
 
 
+@functools.lru_cache(maxsize=64)
+def _parse_policy(spec: str) -> Policy:
+    return Policy(spec)
+
+
 def _coerce_policy(policy: object) -> Policy | None:
-    if policy is None or isinstance(policy, Policy):
-        return policy
+    if policy is None:
+        return None
+    if isinstance(policy, Policy):
+        return intern_policy(policy)
     if isinstance(policy, str):
-        return Policy(policy)
+        return intern_policy(_parse_policy(policy))
     raise ConfigError(
         f"policy must be a mixprec.Policy, a policy string or None, got {type(policy).__name__}"
     )
