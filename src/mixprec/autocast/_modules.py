@@ -34,7 +34,7 @@ __all__ = [
 
 
 class Frame:
-    """The mixprec part of one active region in one thread."""
+    """The mixprec part of one active region in one thread. Host sync: none."""
 
     __slots__ = ("device_type", "dtype", "enabled", "names_seen", "policy", "stack_len")
 

@@ -19,7 +19,10 @@ _SKIP = frozenset({"aten::detach", "aten::alias", "aten::lift_fresh"})
 
 
 class ReportRow(NamedTuple):
-    """One line of a :class:`DtypeReport`: an op seen ``count`` times with these dtypes."""
+    """One line of a :class:`DtypeReport`: an op seen ``count`` times with these dtypes.
+
+    Host sync: none.
+    """
 
     module: str
     op: str

@@ -14,7 +14,10 @@ __all__ = ["PolicyTable", "PolicyTableRow", "policy_table"]
 
 
 class PolicyTableRow(NamedTuple):
-    """One target: ``kind`` is ``"op"`` or ``"module"``; ``native`` is torch's policy or ``"-"``."""
+    """One target: ``kind`` is ``"op"`` or ``"module"``; ``native`` is torch's policy or ``"-"``.
+
+    Host sync: none.
+    """
 
     kind: str
     target: str
