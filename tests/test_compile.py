@@ -27,6 +27,7 @@ import pytest
 import torch
 import torch._dynamo
 from torch import nn
+from torch._dynamo.utils import counters
 
 import mixprec
 
@@ -127,7 +128,7 @@ def _run(iteration: Callable[[torch.Tensor], torch.Tensor], scaler: Any, xs: lis
 
 def test_fused_iteration_compiles_and_matches_eager() -> None:
     torch._dynamo.reset()
-    xs = batches(6, overflow_at=(2,))
+    xs = batches(8, overflow_at=(2,))
     eager_scaler = mixprec.GradScaler(init_scale=2.0**10, growth_interval=2)
     eager_model, _, eager_it = make_training(eager_scaler, fused=True)
     eager_it(xs[0])  # the fused optimizer's first step creates its state (one host read)
@@ -138,7 +139,11 @@ def test_fused_iteration_compiles_and_matches_eager() -> None:
     iteration(xs[0])
     compiled = torch.compile(iteration, backend=BACKEND)
     with graph_breaks() as breaks:
-        trace = _run(compiled, scaler, xs[1:])
+        trace = _run(compiled, scaler, xs[1:4])  # warm-up, including the overflow
+        graphs = counters["stats"]["unique_graphs"]
+        trace += _run(compiled, scaler, xs[4:])  # growth: a new scale, same graphs
+    # Nothing guards on a value that changes every iteration (scale, counters): no recompiles.
+    assert counters["stats"]["unique_graphs"] == graphs
 
     assert breaks, "the graph-break log captured nothing: the attribution below would be vacuous"
     ours = describe(in_mixprec(breaks))
