@@ -161,6 +161,9 @@ def test_compile_parity_and_rules_without_graph_breaks() -> None:
         assert torch.compile(lin, backend="aot_eager")(x[:, :4]).dtype == torch.float16
     with pytest.raises(ConfigError, match="around the compiled call"):
         inside(lambda: mixprec.autocast("cpu", torch.bfloat16, policy=policy))
+    made_outside = mixprec.autocast("cpu", torch.bfloat16)
+    with pytest.raises(ConfigError, match="created outside"):
+        inside(lambda: made_outside)
     assert not torch.is_autocast_enabled("cpu")
 
 

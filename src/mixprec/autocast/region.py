@@ -56,39 +56,31 @@ _COMPILE_MSG = (
 )
 
 
+_PRECONSTRUCTED_MSG = (
+    "a mixprec.autocast object created outside a torch.compile'd function cannot be entered "
+    "inside it (Dynamo cannot trace an explicit enter of native autocast); write "
+    "`with mixprec.autocast(...):` inside the function, or enter the region around the call"
+)
+
+
+@torch.compiler.disable
+def _refuse_while_compiling(message: str) -> None:
+    # Dynamo runs this eagerly (a graph break), so the error reaches the user instead of being
+    # absorbed by tracing.
+    raise ConfigError(message)
+
+
 class _Entered:
     """What one ``__enter__`` did, so that ``__exit__`` can undo exactly that."""
 
     __slots__ = ("frame", "hooks", "mode", "native", "recorder")
 
-    def __init__(self, native: torch.autocast | _TracedNative) -> None:
+    def __init__(self, native: torch.autocast) -> None:
         self.native = native
         self.frame: Frame | None = None
         self.hooks = False
         self.mode: OpRuleMode | None = None
         self.recorder: Any = None
-
-
-class _TracedNative:
-    """Native autocast state switch used while Dynamo traces a region entered *inside* a compiled
-    function: Dynamo cannot trace an explicit ``torch.autocast.__enter__``, but it records these
-    ``torch.set_autocast_*`` calls into the graph. Tracing disables the weight cache anyway."""
-
-    def __init__(self, device_type: str, dtype: torch.dtype, enabled: bool) -> None:
-        self.device_type = device_type
-        self.dtype = dtype
-        self._enabled = enabled
-        self.prev: tuple[bool, torch.dtype] = (False, dtype)
-
-    def __enter__(self) -> None:
-        dev = self.device_type
-        self.prev = (torch.is_autocast_enabled(dev), torch.get_autocast_dtype(dev))
-        torch.set_autocast_enabled(dev, self._enabled)
-        torch.set_autocast_dtype(dev, self.dtype)
-
-    def __exit__(self, *exc: object) -> None:
-        torch.set_autocast_enabled(self.device_type, self.prev[0])
-        torch.set_autocast_dtype(self.device_type, self.prev[1])
 
 
 class autocast:
@@ -184,9 +176,9 @@ class autocast:
         # not be entered from two threads at once (the decorator form makes a fresh one per call).
         self._stack: list[Any] = []
 
-    def _native(self) -> torch.autocast | _TracedNative:
+    def _native(self) -> torch.autocast:
         if torch.compiler.is_compiling():
-            return _TracedNative(self.device, self.fast_dtype, self.enabled)
+            _refuse_while_compiling(_PRECONSTRUCTED_MSG)
         cache = self.cache_enabled
         dev = self.device
         if (
