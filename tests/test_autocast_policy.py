@@ -375,3 +375,23 @@ def test_equal_policies_share_bindings() -> None:
     assert a.policy is b.policy is c.policy
     d = mixprec.autocast("cpu", policy=Policy(modules={nn.LayerNorm: "fp32"}, strict=False))
     assert d.policy is not a.policy
+
+
+def test_a_raising_user_pre_hook_does_not_unbalance_rule_state() -> None:
+    net = Net()
+    calls = {"n": 0}
+
+    def flaky(module: nn.Module, args: tuple[object, ...]) -> None:
+        calls["n"] += 1
+        if calls["n"] == 1:
+            raise ValueError("user hook")
+
+    # Registered first, so it runs before mixprec's instance pre-hook on `post`.
+    net.post.register_forward_pre_hook(flaky, prepend=True)
+    policy = Policy(modules={"probe": torch.float16, "post": "fp32"})
+    with mixprec.autocast("cpu", BF16, policy=policy):
+        with pytest.raises(ValueError, match="user hook"):
+            net(torch.randn(2, 4))
+        assert torch.get_autocast_dtype("cpu") == BF16 and torch.is_autocast_enabled("cpu")
+        assert net(torch.randn(2, 4)).dtype == torch.float32
+        assert net.probe.seen[-1] == (True, torch.float16, BF16)

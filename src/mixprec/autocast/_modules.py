@@ -53,7 +53,7 @@ class _Tls(threading.local):
     def __init__(self) -> None:
         self.frames: list[Frame] = []
         self.stack: list[str] = []
-        self.applied: list[tuple[Any, ...] | None] = []
+        self.applied: list[tuple[Any, ...]] = []  # (module id, what its pre-hook did)
         self.root_map: dict[int, str] = {}
         self.root: nn.Module | None = None
         self.roots: list[tuple[nn.Module, dict[int, str]]] = []
@@ -303,15 +303,15 @@ def _instance_pre(
 ) -> tuple[tuple[Any, ...], dict[str, Any]] | None:
     rec = _record(module)
     if rec is None or not _rule_active(rec) or not torch.is_autocast_enabled(rec.device_type):
-        TLS.applied.append(None)
+        TLS.applied.append((id(module), None))
         return None
     mode = _push_recompute_mode(rec)
     rule = rec.rule
     if rule is None:
-        TLS.applied.append((None, mode, None, None, rec))
+        TLS.applied.append((id(module), (None, mode, None, None, rec)))
         return None
     saved, args, kwargs = _enter_rule(rule, rec, args, kwargs)
-    TLS.applied.append((saved, mode, rule, first_floating_dtype(args, kwargs), rec))
+    TLS.applied.append((id(module), (saved, mode, rule, first_floating_dtype(args, kwargs), rec)))
     return args, kwargs
 
 
@@ -340,7 +340,9 @@ def _instance_post(
     module: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any], output: Any
 ) -> Any:
     tls = TLS
-    entry = tls.applied.pop() if tls.applied else None
+    if not tls.applied or tls.applied[-1][0] != id(module):
+        return None  # our pre-hook did not run for this call (an earlier pre-hook raised)
+    entry = tls.applied.pop()[1]
     if entry is None:
         return None
     saved, mode, rule, in_dtype, rec = entry
