@@ -148,3 +148,24 @@ def test_cuda_region_without_gpu_warns_and_disables() -> None:
         pytest.skip("this checks the CPU-only behaviour; a GPU is present")
     with pytest.warns(UserWarning, match="CUDA is not available"), mixprec.autocast("cuda"):
         assert not torch.is_autocast_enabled("cuda")
+
+
+def test_report_views_option_and_standalone_recording() -> None:
+    rep = mixprec.DtypeReport(include_views=True)
+    x = torch.randn(4, 4)
+    with mixprec.autocast("cpu", BF16), rep.record():
+        (x.t() @ x).sum()
+    ops = [r.op for r in rep.rows]
+    assert "aten::t" in ops and "aten::mm" in ops
+    assert ("-", "aten::mm", ("bf16", "bf16"), "bf16", 1) in rep.rows
+    plain = mixprec.DtypeReport()
+    with plain.record():
+        x.t()
+    assert plain.rows == []
+    assert repr(rep).startswith("DtypeReport(")
+
+
+def test_policy_table_without_policy_lists_every_native_op() -> None:
+    table = mixprec.policy_table("cpu")
+    assert {r.target for r in table.rows} == set(native_op_table("cpu"))
+    assert all(r.rule == "-" and r.effective == r.native for r in table.rows)
