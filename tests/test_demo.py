@@ -5,8 +5,10 @@ parses, and bad options exit non-zero with a message instead of a traceback."""
 from __future__ import annotations
 
 import contextlib
+import copy
 import io
 import json
+import math
 import os
 import subprocess
 import sys
@@ -173,3 +175,33 @@ def test_progress_uses_tqdm_when_installed() -> None:
         for _ in range(4):
             bar.update()
     assert "4/4" in stream.getvalue() and "it/s" in stream.getvalue()
+
+
+def test_scaled_run_matches_torch_amp_bit_for_bit() -> None:
+    """The demo's scaled run is what torch.amp.GradScaler would do: same losses, same scales."""
+    from mixprec.cli import _task
+
+    steps, inject = 40, 7
+    task = _task.make_task(3, steps, torch.device("cpu"))
+    spec = _task.RunSpec("scaled", autocast=True, scaled=True)
+    ours = _task.train(task, spec, torch.float16, inject_inf=inject)
+
+    model = copy.deepcopy(task.model)
+    opt = torch.optim.Adam(model.parameters(), lr=_task.LR)
+    scaler = torch.amp.GradScaler("cpu", growth_interval=_task.GROWTH_INTERVAL)
+    losses, scales = [], []
+    for step, idx in enumerate(task.batches):
+        opt.zero_grad(set_to_none=True)
+        with torch.autocast("cpu", dtype=torch.float16):
+            loss = torch.nn.functional.mse_loss(model(task.x[idx]).float(), task.y[idx])
+        scales.append(scaler.get_scale())
+        scaler.scale(loss).backward()
+        if step == inject:
+            next(iter(model.parameters())).grad.view(-1)[0] = math.inf
+        scaler.step(opt)
+        scaler.update()
+        losses.append(float(loss.detach()))
+    assert ours.losses == losses
+    assert ours.scales == scales
+    assert ours.final_scale == scaler.get_scale()
+    assert ours.skipped_steps == [inject]
