@@ -7,6 +7,7 @@ from collections.abc import Callable
 from typing import Any, TypeVar
 
 import torch
+from torch._compile import _disable_dynamo
 
 from mixprec.autocast._devices import resolve_device_type, resolve_low_dtype
 from mixprec.autocast._modules import (
@@ -63,7 +64,7 @@ _PRECONSTRUCTED_MSG = (
 )
 
 
-@torch.compiler.disable
+@_disable_dynamo
 def _refuse_while_compiling(message: str) -> None:
     # Dynamo runs this eagerly (a graph break), so the error reaches the user instead of being
     # absorbed by tracing.
@@ -321,6 +322,8 @@ class autocast:
 
 
 # Dynamo must not trace the policy machinery (hooks, modes): while compiling, enter and exit run
-# eagerly through these (torch.compiler.disable costs tens of microseconds, so only then).
-_enter_full_eagerly = torch.compiler.disable(autocast._enter_full)
-_exit_full_eagerly = torch.compiler.disable(autocast._exit_full)
+# eagerly through these (disabling costs tens of microseconds, so only then). torch's own lazy
+# form of torch.compiler.disable is used: the eager one imports torch._dynamo (and sympy) at
+# `import mixprec`, about a second, for users who never compile.
+_enter_full_eagerly = _disable_dynamo(autocast._enter_full)
+_exit_full_eagerly = _disable_dynamo(autocast._exit_full)
