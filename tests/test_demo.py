@@ -205,3 +205,15 @@ def test_scaled_run_matches_torch_amp_bit_for_bit() -> None:
     assert ours.scales == scales
     assert ours.final_scale == scaler.get_scale()
     assert ours.skipped_steps == [inject]
+
+
+def test_without_matplotlib_the_demo_still_runs_and_says_why(
+    monkeypatch: pytest.MonkeyPatch, tmp_path: Path
+) -> None:
+    monkeypatch.setitem(sys.modules, "matplotlib", None)  # import matplotlib now raises
+    argv = ["demo", "--steps", "2", "--json", "--no-progress", "--out", str(tmp_path)]
+    code, out, err = _run(argv)
+    assert code == 0, err
+    assert json.loads(out)["figure"] is None
+    assert "mixprec[plot]" in err
+    assert not (tmp_path / "mixprec-demo.png").exists()
