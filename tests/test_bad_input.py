@@ -353,3 +353,12 @@ def test_a_non_optimizer_is_refused_before_any_record_exists(call: str, what: st
     if what == "model":
         needles.append("Pass the optimizer, not the model.")
     check(run, ConfigError, *needles)
+
+
+def test_a_meta_loss_cannot_become_the_home_of_the_scale() -> None:
+    scaler = mixprec.GradScaler()
+    with pytest.raises(ConfigError, match=r"'meta' device.*to_empty"):
+        scaler.scale(torch.ones((), device="meta"))
+    assert scaler._get_scale_async() is None  # still usable: the next real loss creates it
+    assert scaler.scale(torch.ones(())).item() == 2.0**16
+    assert scaler.scale(torch.ones((), device="meta")).device.type == "meta"  # a copy, later

@@ -62,6 +62,12 @@ class ScalerCore:
 
     def _lazy_init(self, device: torch.device) -> ScaleState:
         if self._state is None:
+            if device.type == "meta":  # the scale would hold no data: nothing could read it
+                raise ConfigError(
+                    "scale() got a tensor on the 'meta' device, which holds no data: the scale "
+                    "cannot live there. Materialize the model (e.g. model.to_empty(device=...) "
+                    "and load its weights) before the first scale()."
+                )
             pending = self._pending
             self._state = ScaleState.create(
                 pending.scale,
