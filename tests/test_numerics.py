@@ -177,3 +177,19 @@ def test_overflow_created_by_the_unscale_multiply(fused: bool) -> None:
     param, moved, scale = results["torch"]
     assert moved and scale == 0.5  # missed: the step ran on an inf gradient
     assert not torch.all(torch.isfinite(param))
+
+
+@pytest.mark.parametrize("how", ["set_growth_interval", "load_state_dict"])
+def test_tracker_beyond_a_shortened_interval_grows_torch_never_does(how: str) -> None:
+    """torch's kernel grows when ``tracker + 1 == interval``: past it, never again, silently."""
+    scales: dict[str, list[float]] = {}
+    for name, scaler in both(init_scale=8.0, growth_interval=10).items():
+        for _ in range(6):
+            one_iteration(scaler, [1.0])  # tracker 6
+        if how == "set_growth_interval":
+            scaler.set_growth_interval(3)
+        else:
+            scaler.load_state_dict({**scaler.state_dict(), "growth_interval": 3})
+        scales[name] = [one_iteration(scaler, [1.0]) and scaler.get_scale() for _ in range(7)]
+    assert scales["torch"] == [8.0] * 7
+    assert scales["mixprec"] == [16.0, 16.0, 16.0, 32.0, 32.0, 32.0, 64.0]

@@ -87,7 +87,11 @@ def parse_state_dict(state_dict: Any, current: ScalerConfig) -> LoadedState:
     return LoadedState(
         config=config,
         scale=scale,
-        growth_tracker=_count("_growth_tracker", state_dict["_growth_tracker"]),
+        # Capped like set_growth_interval does: at or past the interval, torch's kernel
+        # (``tracker + 1 == interval``) would never grow again; this grows at the next clean one.
+        growth_tracker=min(
+            _count("_growth_tracker", state_dict["_growth_tracker"]), config.growth_interval - 1
+        ),
         overflow_streak=_count("_overflow_streak", state_dict.get("_overflow_streak", 0)),
         counters=[_count("_counters", c) for c in counters],
     )
