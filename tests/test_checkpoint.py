@@ -217,3 +217,38 @@ def test_load_in_any_order_with_the_lazy_init_hook(order: str) -> None:
     assert scaler.state_dict() == state
     assert scaler.stats() == source.stats()
     assert torch.equal(scaler.scale(torch.ones(())), torch.tensor(state["scale"]))
+
+
+def test_resume_mid_overflow_streak_with_hysteresis_and_bounds() -> None:
+    """mixprec's own state (streak, counters, bounds) rides the state dict: resume is exact."""
+    settings = {"hysteresis": 2, "min_scale": 2.0**6, "max_scale": 2.0**14}
+
+    def run(stop: int, scaler: Any, model: nn.Module, opt: Any, start: int = 0) -> list[float]:
+        scales = []
+        for it in range(start, stop):
+            x = torch.randn(4, 6, generator=torch.Generator().manual_seed(100 + it))
+            if it in (3, 4, 5, 8, 9):  # a streak of 3 split by the checkpoint at 4
+                x[0, 0] = 1e6
+            with torch.autocast("cpu", dtype=torch.float16):
+                loss = model(x).float().pow(2).mean()
+            scaler.scale(loss).backward()
+            scaler.step(opt)
+            scaler.update()
+            opt.zero_grad(set_to_none=True)
+            scales.append(scaler.get_scale())
+        return scales
+
+    model, opt = make_model()
+    full = run(12, mixprec.GradScaler(**SETTINGS, **settings), model, opt)
+    model, opt = make_model()
+    scaler = mixprec.GradScaler(**SETTINGS, **settings)
+    head = run(4, scaler, model, opt)
+    saved = copy.deepcopy((scaler.state_dict(), model.state_dict(), opt.state_dict()))
+    assert saved[0]["_overflow_streak"] == 1
+    model, opt = make_model()
+    resumed = mixprec.GradScaler()  # settings come from the state dict
+    resumed.load_state_dict(saved[0])
+    model.load_state_dict(saved[1])
+    opt.load_state_dict(saved[2])
+    assert head + run(12, resumed, model, opt, start=4) == full
+    assert min(full) >= 2.0**6 and full[4] == full[3] / 2  # the streak's 2nd overflow backs off
