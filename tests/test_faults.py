@@ -236,3 +236,32 @@ def test_reset_iteration_is_a_no_op_between_iterations_and_when_disabled() -> No
     scaler.reset_iteration()
     assert scaler.state_dict() == state
     mixprec.GradScaler(enabled=False).reset_iteration()
+
+
+def test_a_closure_that_raises_mid_step_leaves_params_and_scaler_usable() -> None:
+    """LBFGS evaluates its closure several times; the second evaluation fails here."""
+    torch.manual_seed(0)
+    model = nn.Linear(4, 1)
+    opt = torch.optim.LBFGS(model.parameters(), max_iter=3)
+    scaler = mixprec.GradScaler(**SETTINGS)
+    calls = [0]
+
+    def closure() -> torch.Tensor:
+        opt.zero_grad()
+        calls[0] += 1
+        if calls[0] == 2:
+            raise Boom("loss failed inside the closure")
+        loss = model(batch(0)).pow(2).mean()
+        scaler.scale(loss).backward()
+        return loss
+
+    before = [p.detach().clone() for p in model.parameters()]
+    with pytest.raises(Boom):
+        scaler.step(opt, closure)
+    assert all(torch.equal(p, q) for p, q in zip(model.parameters(), before, strict=True))
+    scaler.reset_iteration()
+    calls[0] = 10  # no more failures
+    scaler.step(opt, closure)
+    scaler.update()
+    assert scaler.stats().iterations == 1 and scaler.stats().steps_skipped == 0
+    assert not all(torch.equal(p, q) for p, q in zip(model.parameters(), before, strict=True))
