@@ -52,6 +52,7 @@ class ScalerCore:
         self._phases = PhaseTable()
         self._mirror = HostMirror(self._config.init_scale, 0, 0)
         self._per_device_cache: dict[torch.device, torch.Tensor] = {}
+        # 1/scale, kept while the scale does not change (every writer of the scale resets it).
         self._inv_scale: torch.Tensor | None = None
         self._history = History(history)
         self._hooks = OrderedDict()
@@ -135,7 +136,6 @@ class ScalerCore:
         self._dist.end_iteration()
         self._phases.clear()
         self._per_device_cache.clear()
-        self._inv_scale = None
 
     # ------------------------------------------------------------------ getters / setters
 
@@ -281,6 +281,7 @@ class ScalerCore:
         self._iteration = loaded.counters[0]
         if self._state is not None:
             self._state.scale.fill_(loaded.scale)
+            self._inv_scale = None
             self._state.growth_tracker.fill_(loaded.growth_tracker)
             self._state.overflow_streak.fill_(loaded.overflow_streak)
             self._state.counters.copy_(torch.tensor(loaded.counters, dtype=torch.int64))

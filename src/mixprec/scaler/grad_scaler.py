@@ -32,7 +32,7 @@ from mixprec.scaler.checks import (
 from mixprec.scaler.clipping import ClippingMixin
 from mixprec.scaler.closure import split_closure, step_with_closure
 from mixprec.scaler.phases import OptimizerRecord, OptState
-from mixprec.scaler.rule import ScaleState, to_f32, update_scale_
+from mixprec.scaler.rule import ScaleState, to_f32, update_scale_, write_host_update_
 from mixprec.scaler.signals import ScalerSignals
 from mixprec.scaler.telemetry import (
     UpdateEvent,
@@ -303,7 +303,7 @@ class GradScaler(ClippingMixin, ScalerSignals):
 
     def _note_step(self, optimizer: _Optimizer, found_inf: torch.Tensor) -> None:
         self._phases.get(optimizer).optimizer = weakref.ref(optimizer)
-        self._step_skips[id(optimizer)] = found_inf != 0
+        self._step_skips[id(optimizer)] = found_inf  # non-zero: skipped (compared when read)
 
     # ------------------------------------------------------------------ update
 
@@ -348,8 +348,35 @@ class GradScaler(ClippingMixin, ScalerSignals):
                 "scaler.unscale_(optimizer)) first, or call scaler.update() with no argument."
             )
 
+    def _advance_state(
+        self, state: ScaleState, total: torch.Tensor, overflow: bool | None
+    ) -> torch.Tensor:
+        """Apply the rule to ``state`` and the host mirror; return the scale used this iteration.
+
+        On the CPU (outside torch.compile) the host is the device: the rule runs on Python
+        numbers and the results are written into the tensors. Elsewhere it runs on the device.
+        """
+        before = self._mirror.exact
+        if state.scale.is_cpu and before is not None and not torch.compiler.is_compiling():
+            if overflow is None:
+                overflow = bool(total.item() != 0)
+            used = state.scale.clone() if self._history.capacity else state.scale
+            after = before.advance(overflow, self._config)
+            write_host_update_(state, before, after)
+            self._mirror.set_exact(after)
+            if after.scale != before.scale:
+                self._inv_scale = None
+            return used
+        # The floor clamp is needed only when one backoff could take the scale near it.
+        near_floor = self._mirror.lower_bound * self._config.backoff_factor < 4 * self._config.floor
+        used = update_scale_(state, total, self._config, clamp=near_floor)
+        self._mirror.advance(state, overflow, self._config, total)
+        self._inv_scale = None
+        return used
+
     def _set_scale(self, state: ScaleState, new_scale: float | torch.Tensor) -> None:
         value = validated_new_scale(new_scale, state.scale.device, self._config)
+        self._inv_scale = None
         if isinstance(value, torch.Tensor):
             state.scale.copy_(value)
             self._mirror.set_scale(None if value.device.type != "cpu" else value.item())
@@ -372,16 +399,14 @@ class GradScaler(ClippingMixin, ScalerSignals):
         total = found[0].to(state.scale.device, non_blocking=True)
         for other in found[1:]:
             total = total + other.to(state.scale.device, non_blocking=True)
-        # The floor clamp is needed only when one backoff could take the scale near it.
-        near_floor = self._mirror.lower_bound * self._config.backoff_factor < 4 * self._config.floor
-        used_scale = update_scale_(state, total, self._config, clamp=near_floor)
         skipped = [r.skipped for r in records]
         overflow = None if None in skipped else any(skipped)
-        self._mirror.advance(state, overflow, self._config, total)
+        used_scale = self._advance_state(state, total, overflow)
         iteration = self._next_iteration(state)  # compile-safe, see ScalerCore._next_iteration
-        event = UpdateEvent(iteration, state.scale, total, total != 0)
-        self._last_iteration_skip = event.skipped
-        self._history.record(iteration, used_scale, event.skipped)
-        for hook in list(self._hooks.values()):
-            hook(self, event)
+        self._last_iteration_skip = total  # non-zero: skipped (compared when read)
+        if self._hooks or self._history.capacity:
+            event = UpdateEvent(iteration, state.scale, total, total != 0)
+            self._history.record(iteration, used_scale, event.skipped)
+            for hook in list(self._hooks.values()):
+                hook(self, event)
         self._watch(state, records)

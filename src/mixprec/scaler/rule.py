@@ -12,6 +12,7 @@ rounded once to float32), which the property tests check against the torch kerne
 
 from __future__ import annotations
 
+import functools
 import math
 import struct
 from dataclasses import dataclass
@@ -20,7 +21,7 @@ import torch
 
 from mixprec.scaler.config import ScalerConfig
 
-__all__ = ["HostScale", "ScaleState", "to_f32", "update_scale_"]
+__all__ = ["HostScale", "ScaleState", "to_f32", "update_scale_", "write_host_update_"]
 
 _TORCH_KERNEL_DEVICES = {"cpu", "cuda"}
 
@@ -153,3 +154,26 @@ class HostScale:
                     scale = grown
         high = config.max_scale if config.max_scale is not None else math.inf
         return HostScale(min(max(scale, config.floor), high), tracker, streak)
+
+
+def write_host_update_(state: ScaleState, before: HostScale, after: HostScale) -> None:
+    """Store an update computed on the host (:meth:`HostScale.advance`) into ``state``.
+
+    On the CPU this replaces :func:`update_scale_`: the host already knows the outcome, and a
+    few ``fill_`` calls cost less than the comparisons the device form needs. Same values, bit
+    for bit (the property tests hold the two forms to one reference).
+
+    Host sync: none (meant for CPU tensors).
+    """
+    state.scale.fill_(after.scale)
+    state.growth_tracker.fill_(after.growth_tracker)
+    state.overflow_streak.fill_(after.overflow_streak)
+    overflow = after.overflow_streak > 0
+    delta = (1, int(overflow), int(after.scale > before.scale), int(after.scale < before.scale))
+    state.counters.add_(_counter_delta(delta))
+
+
+@functools.cache
+def _counter_delta(delta: tuple[int, int, int, int]) -> torch.Tensor:
+    """The few possible per-iteration increments, built once (``torch.tensor`` costs ~9 us)."""
+    return torch.tensor(delta, dtype=torch.int64)

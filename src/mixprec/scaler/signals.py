@@ -92,13 +92,13 @@ class ScalerSignals(ScalerCore):
             flag = self._step_skips.get(id(optimizer))
         else:
             current = [self._step_skips[id(o)] for o in self._stepped_this_iteration()]
-            flag = torch.stack(current).any() if current else self._last_iteration_skip
+            flag = torch.stack(current).ne(0).any() if current else self._last_iteration_skip
         if flag is None:
             raise ScalerStateError(
                 "last_step_skipped() was called before any scaler.step() of "
                 + ("this optimizer." if optimizer is not None else "any optimizer.")
             )
-        return flag
+        return flag != 0
 
     def _stepped_this_iteration(self) -> list[_Optimizer]:
         refs = [r.optimizer for r in self._phases.records() if r.optimizer is not None]

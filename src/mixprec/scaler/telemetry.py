@@ -114,6 +114,11 @@ class HostMirror:
             shrunk = self.lower_bound * config.backoff_factor * _ROUNDING_MARGIN
             self.lower_bound = max(shrunk, config.floor)
 
+    def set_exact(self, exact: HostScale) -> None:
+        """The host computed the state itself (the CPU rule): the mirror is that state."""
+        self.exact = exact
+        self.lower_bound = exact.scale
+
     def set_scale(self, scale: float | None) -> None:
         """After ``update(new_scale)``: exact for a float, unknown for a tensor."""
         if scale is None:
