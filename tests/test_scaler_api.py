@@ -358,3 +358,27 @@ def test_overflow_from_the_unscale_multiply_is_detected() -> None:
         theirs._per_optimizer_states[id(opt)]["found_inf_per_device"][torch.device("cpu")].item()
         == 0.0
     )  # torch's input-only check misses it
+
+
+def test_numpy_scalars_are_accepted_like_python_numbers() -> None:
+    np = pytest.importorskip("numpy", reason="numpy is part of the [test] extra")
+    scaler = mixprec.GradScaler(init_scale=np.float32(1024.0), growth_interval=np.int64(10))
+    assert scaler.get_scale() == 1024.0 and scaler.get_growth_interval() == 10
+    scaler.set_growth_factor(np.float64(4.0))
+    sd = {k: (np.float64(v) if isinstance(v, float) else v) for k, v in scaler.state_dict().items()}
+    mixprec.GradScaler().load_state_dict(sd)
+    with pytest.raises(ConfigError):
+        mixprec.GradScaler(growth_interval=np.float64(2.5))
+
+
+def test_load_state_dict_mid_iteration_is_refused() -> None:
+    model, opt = _model_and_opt()
+    scaler = mixprec.GradScaler()
+    saved = scaler.state_dict()
+    _backward(scaler, model)
+    scaler.unscale_(opt)
+    with pytest.raises(mixprec.ScalerStateError, match="mid-iteration"):
+        scaler.load_state_dict(saved)
+    scaler.step(opt)
+    scaler.update()
+    scaler.load_state_dict(saved)

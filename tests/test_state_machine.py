@@ -229,8 +229,11 @@ class ScalerMachine(RuleBasedStateMachine):
     @rule(kind=st.sampled_from(["pickle", "deepcopy", "fresh", "in place"]))
     def round_trip(self, kind: str) -> None:
         m = self.model
-        if kind == "in place":  # allowed any time; loading ends the iteration (documented)
-            self.scaler.load_state_dict(self.scaler.state_dict())
+        if kind == "in place":
+            if any(m.touched):  # grads were unscaled with the current scale: refused
+                _raises(ScalerStateError, self.scaler.load_state_dict, self.scaler.state_dict())
+                return
+            self.scaler.load_state_dict(self.scaler.state_dict())  # between iterations: fine
             m.end_iteration()
             return
         if any(m.touched):

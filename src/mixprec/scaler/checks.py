@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import inspect
+import numbers
 import weakref
 from typing import Any
 
@@ -60,7 +61,7 @@ def validated_new_scale(
         if value.is_cpu:
             validated_new_scale(float(value.item()), device, config)
         return value.reshape(())
-    if isinstance(value, bool) or not isinstance(value, (int, float)):
+    if isinstance(value, bool) or not isinstance(value, numbers.Real):
         raise ConfigError(
             f"new_scale must be a float, an int, a 1-element tensor or the optimizer, got "
             f"{type(value).__name__}."

@@ -7,6 +7,7 @@ allowed range; setters on the scaler go through the same checks (``dataclasses.r
 from __future__ import annotations
 
 import math
+import numbers
 from dataclasses import dataclass, replace
 from typing import Any
 
@@ -21,7 +22,7 @@ FP32_MAX = 3.4028234663852886e38
 
 
 def _number(name: str, value: Any) -> float:
-    if isinstance(value, bool) or not isinstance(value, (int, float)):
+    if isinstance(value, bool) or not isinstance(value, numbers.Real):
         raise ConfigError(f"{name} must be a real number, got {value!r} ({type(value).__name__}).")
     value = float(value)
     if not math.isfinite(value):
@@ -30,7 +31,7 @@ def _number(name: str, value: Any) -> float:
 
 
 def _integer(name: str, value: Any, minimum: int) -> int:
-    if isinstance(value, bool) or not isinstance(value, int):
+    if isinstance(value, bool) or not isinstance(value, numbers.Integral):
         raise ConfigError(
             f"{name} must be an int >= {minimum}, got {value!r} ({type(value).__name__})."
         )

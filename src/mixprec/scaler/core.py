@@ -19,7 +19,7 @@ from mixprec.errors import ConfigError, ScalerStateError
 from mixprec.scaler import diagnostics
 from mixprec.scaler.args import bind_constructor_args, parse_device
 from mixprec.scaler.config import ScalerConfig
-from mixprec.scaler.phases import PhaseTable
+from mixprec.scaler.phases import OptState, PhaseTable
 from mixprec.scaler.rule import ScaleState
 from mixprec.scaler.state import LoadedState, export_state, parse_state_dict
 from mixprec.scaler.telemetry import History, HostMirror, UpdateEvent
@@ -269,12 +269,21 @@ class ScalerCore:
 
         Raises:
             ConfigError: empty dict, missing keys, or values of the wrong type or range.
+            ScalerStateError: an optimizer was unscaled or stepped in this iteration: its
+                gradients were scaled with the old scale (torch silently mixes the two). Call
+                ``update()`` or :meth:`reset_iteration` first.
 
         Host sync: none (values are written into existing tensors with ``fill_``).
         """
         if not self._enabled:
             return
         loaded = parse_state_dict(state_dict, self._config)
+        if any(r.stage is not OptState.READY for r in self._phases.records()):
+            raise ScalerStateError(
+                "load_state_dict() was called mid-iteration (an optimizer was already unscaled "
+                "or stepped with the current scale). Load checkpoints between iterations: call "
+                "scaler.update() or scaler.reset_iteration() first."
+            )
         self._config = loaded.config
         self._pending = loaded
         self._mirror = HostMirror(loaded.scale, loaded.growth_tracker, loaded.overflow_streak)

@@ -8,6 +8,7 @@ Everything is validated before anything changes.
 from __future__ import annotations
 
 import math
+import numbers
 from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
@@ -38,7 +39,7 @@ def _scalar(key: str, value: Any) -> float:
         if value.numel() != 1:
             raise ConfigError(f"state_dict[{key!r}] must hold one number, got shape {value.shape}.")
         value = value.item()
-    if isinstance(value, bool) or not isinstance(value, (int, float)):
+    if isinstance(value, bool) or not isinstance(value, numbers.Real):
         raise ConfigError(
             f"state_dict[{key!r}] must be a number, got {value!r} ({type(value).__name__})."
         )
