@@ -43,6 +43,14 @@ __all__ = ["GradScaler"]
 _Optimizer = torch.optim.Optimizer
 
 
+def _sum_on(found_infs: list[torch.Tensor], device: torch.device) -> torch.Tensor:
+    """Overflow flags from several devices combined on ``device`` (non-zero: overflow)."""
+    total = found_infs[0].to(device, non_blocking=True)
+    for other in found_infs[1:]:
+        total = total + other.to(device, non_blocking=True)
+    return total
+
+
 class GradScaler(ClippingMixin, ScalerSignals):
     """Dynamic loss scaling, a drop-in for ``torch.amp.GradScaler`` on every device.
 
@@ -233,11 +241,7 @@ class GradScaler(ClippingMixin, ScalerSignals):
             raise MissingGradError(
                 diagnostics.no_inf_checks_message("for this optimizer", record.missing)
             )
-        device = self._require_state("step").scale.device
-        total = found[0].to(device, non_blocking=True)
-        for other in found[1:]:
-            total = total + other.to(device, non_blocking=True)
-        return total
+        return _sum_on(found, self._require_state("step").scale.device)
 
     def _step_fused(
         self,
@@ -396,9 +400,7 @@ class GradScaler(ClippingMixin, ScalerSignals):
         if not found:
             missing = [ref for r in records for ref in r.missing]
             raise MissingGradError(diagnostics.no_inf_checks_message("prior to update", missing))
-        total = found[0].to(state.scale.device, non_blocking=True)
-        for other in found[1:]:
-            total = total + other.to(state.scale.device, non_blocking=True)
+        total = _sum_on(found, state.scale.device)
         skipped = [r.skipped for r in records]
         overflow = None if None in skipped else any(skipped)
         used_scale = self._advance_state(state, total, overflow)
