@@ -7,6 +7,7 @@ wandb); :mod:`mixprec.integrations.tensorboard` has the TensorBoard one.
 
 from __future__ import annotations
 
+import abc
 import logging
 from dataclasses import dataclass
 from typing import Any
@@ -41,7 +42,7 @@ class UpdateRecord:
     grad_norm: float | None
 
 
-class WindowedUpdateHook:
+class WindowedUpdateHook(abc.ABC):
     """Base of the update hooks: call ``emit`` every ``every_n`` updates.
 
     Register it with ``scaler.register_update_hook(hook)`` or ``hook.attach(scaler)``.
@@ -120,9 +121,9 @@ class WindowedUpdateHook:
         self._skips, self._last, self._grad_norm, self._window = None, None, None, 0
         self.emit(record)
 
+    @abc.abstractmethod
     def emit(self, record: UpdateRecord) -> None:
         """Write one record; subclasses implement it. Host sync: none."""
-        raise NotImplementedError
 
 
 class LoggingHook(WindowedUpdateHook):

@@ -152,9 +152,6 @@ class ClippingMixin(ScalerCore):
             self._dist.agree_(record.found_inf_per_device, group, self._get_inv_scale().device)
         _mark_unscaled(record, plan, optimizer)
 
-    def _get_inv_scale(self) -> torch.Tensor:  # pragma: no cover - GradScaler provides it
-        raise NotImplementedError
-
     def _plan_for_clip(
         self, optimizer: _Optimizer, what: str
     ) -> tuple[OptimizerRecord, GradPlan, tuple[Any, Any]]:

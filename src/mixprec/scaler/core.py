@@ -132,6 +132,16 @@ class ScalerCore:
         self._iteration += 1
         return self._iteration
 
+    def _get_inv_scale(self) -> torch.Tensor:
+        """``float32(1 / float64(scale))`` as torch computes it, kept until the scale changes."""
+        if self._inv_scale is None:
+            scale = self._require_state("unscale_").scale
+            if scale.device.type == "mps":  # no float64 on MPS
+                self._inv_scale = scale.reciprocal()
+            else:
+                self._inv_scale = scale.double().reciprocal().float()
+        return self._inv_scale
+
     def _end_iteration(self) -> None:
         self._dist.end_iteration()
         self._phases.clear()

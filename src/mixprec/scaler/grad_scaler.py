@@ -180,15 +180,6 @@ class GradScaler(ClippingMixin, ScalerSignals):
         record.optimizer = weakref.ref(optimizer)
         return plan
 
-    def _get_inv_scale(self) -> torch.Tensor:
-        if self._inv_scale is None:
-            scale = self._require_state("unscale_").scale
-            if scale.device.type == "mps":  # no float64 on MPS
-                self._inv_scale = scale.reciprocal()
-            else:
-                self._inv_scale = scale.double().reciprocal().float()
-        return self._inv_scale
-
     # ------------------------------------------------------------------ step
 
     def step(self, optimizer: _Optimizer, *args: Any, **kwargs: Any) -> Any:
