@@ -6,6 +6,7 @@ from pathlib import Path
 from typing import Any
 
 from mixprec.cli._task import RunResult
+from mixprec.scaler.telemetry import HistoryEntry
 
 __all__ = ["PlotUnavailable", "write_figure"]
 
@@ -81,20 +82,10 @@ def write_figure(results: list[RunResult], path: Path) -> Path:
 
 
 def _draw_scale(ax: Any, scaled: list[RunResult]) -> None:
+    """The scaled run's scale per step with skipped steps marked: ``mixprec.plot``'s drawing."""
+    from mixprec.integrations.plot import plot
+
     for r in scaled:
-        steps = range(len(r.scales))
-        ax.step(steps, r.scales, where="post", color=_color(r), label=f"{r.name}: loss scale")
-        skipped = [s for s in r.skipped_steps if s < len(r.scales)]
-        ax.scatter(
-            skipped,
-            [r.scales[s] for s in skipped],
-            marker="x",
-            color="black",
-            zorder=3,
-            label=f"skipped step ({len(skipped)})",
-        )
-    ax.set_yscale("log", base=2)
-    ax.set_xlabel("step")
-    ax.set_ylabel("loss scale")
-    ax.legend(loc="lower right")
-    ax.grid(True, which="both", alpha=0.3)
+        skipped = set(r.skipped_steps)
+        entries = [HistoryEntry(i, s, i in skipped) for i, s in enumerate(r.scales)]
+        plot(entries, ax=ax, title=f"{r.name}: loss scale")
