@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import functools
 import math
-import weakref
 from typing import Any
 
 import torch
@@ -19,7 +18,7 @@ from mixprec.kernels import clip
 from mixprec.kernels.plan import GradPlan, plan_grads
 from mixprec.scaler import diagnostics
 from mixprec.scaler.core import ScalerCore
-from mixprec.scaler.phases import OptimizerRecord, OptState
+from mixprec.scaler.phases import OptimizerRecord
 
 __all__ = ["ClippingMixin"]
 
@@ -103,7 +102,7 @@ class ClippingMixin(ScalerCore):
         )
         if flags is not None and sharded is None:  # replicated grads under Join: flags only
             self._dist.agree_(record.found_inf_per_device, flags, self._get_inv_scale().device)
-        _mark_unscaled(record, plan, optimizer)
+        record.mark_unscaled(optimizer, plan.missing)
         return total
 
     def clip_grad_value_(self, optimizer: _Optimizer, clip_value: float) -> None:
@@ -150,7 +149,7 @@ class ClippingMixin(ScalerCore):
         )
         if group is not None:  # one all-reduce of the flag (mixprec.distributed)
             self._dist.agree_(record.found_inf_per_device, group, self._get_inv_scale().device)
-        _mark_unscaled(record, plan, optimizer)
+        record.mark_unscaled(optimizer, plan.missing)
 
     def _plan_for_clip(
         self, optimizer: _Optimizer, what: str
@@ -177,9 +176,3 @@ def _validated_limit(value: float, name: str) -> float:
     if not limit >= 0:
         raise ConfigError(f"{name} must be a number >= 0 (inf allowed), got {value!r}.")
     return limit
-
-
-def _mark_unscaled(record: OptimizerRecord, plan: GradPlan, optimizer: _Optimizer) -> None:
-    record.stage = OptState.UNSCALED
-    record.missing = plan.missing
-    record.optimizer = weakref.ref(optimizer)

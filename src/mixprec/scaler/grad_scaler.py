@@ -175,10 +175,15 @@ class GradScaler(ClippingMixin, ScalerSignals):
         )
         if agree:  # one all-reduce per optimizer per iteration (mixprec.distributed)
             self._dist.agree_(record.found_inf_per_device, group, self._get_inv_scale().device)
-        record.stage = OptState.UNSCALED
-        record.missing = plan.missing
-        record.optimizer = weakref.ref(optimizer)
+        record.mark_unscaled(optimizer, plan.missing)
         return plan
+
+    def _unscale_for_step(self, optimizer: _Optimizer, record: OptimizerRecord) -> None:
+        """``step``'s implicit unscale. Without any grad nothing was done: the optimizer stays
+        READY, so that a retry after ``backward()`` unscales."""
+        self._unscale_into(optimizer, record)
+        if not record.found_inf_per_device:
+            record.stage = OptState.READY
 
     # ------------------------------------------------------------------ step
 
@@ -217,9 +222,7 @@ class GradScaler(ClippingMixin, ScalerSignals):
         if getattr(optimizer, "_step_supports_amp_scaling", False):
             return self._step_fused(optimizer, record, args, kwargs)
         if record.stage is OptState.READY:
-            self._unscale_into(optimizer, record)
-            if not record.found_inf_per_device:  # no grad: nothing was done, stay READY so
-                record.stage = OptState.READY  # a retry after backward() unscales (as fused)
+            self._unscale_for_step(optimizer, record)
         found_inf = self._sum_found_inf(record, optimizer)
         self._note_step(optimizer, found_inf)
         record.skipped = bool(found_inf.item() != 0)
@@ -244,15 +247,12 @@ class GradScaler(ClippingMixin, ScalerSignals):
         if takes_grad_scaler(optimizer):
             return self._step_legacy_fused(optimizer, record, args, kwargs)
         if record.stage is OptState.READY and self._mirror.scale_may_be_below_one:
-            self._unscale_into(optimizer, record)  # the kernel's own division could overflow
-            if not record.found_inf_per_device:  # no grad: stay READY (see step)
-                record.stage = OptState.READY
+            self._unscale_for_step(optimizer, record)  # the kernel's division could overflow
         scale_device = self._require_state("step").scale.device
         if record.stage is OptState.READY:
-            record.optimizer = weakref.ref(optimizer)
             plan, group, agree = self._dist.prepare(plan_grads(optimizer))
             check_finite_(plan, record.found_inf_per_device)
-            record.missing = plan.missing
+            record.mark_checked(optimizer, plan.missing)
             if agree:
                 self._dist.agree_(record.found_inf_per_device, group, scale_device)
         found_inf = self._sum_found_inf(record, optimizer)

@@ -45,6 +45,16 @@ class OptimizerRecord:
     missing: list[ParamRef] = field(default_factory=list)
     optimizer: weakref.ref[torch.optim.Optimizer] | None = None
 
+    def mark_checked(self, optimizer: torch.optim.Optimizer, missing: list[ParamRef]) -> None:
+        """Remember which optimizer this is and which of its parameters had no grad."""
+        self.missing = missing
+        self.optimizer = weakref.ref(optimizer)
+
+    def mark_unscaled(self, optimizer: torch.optim.Optimizer, missing: list[ParamRef]) -> None:
+        """The optimizer's grads were unscaled (by ``unscale_`` or a clipping call)."""
+        self.stage = OptState.UNSCALED
+        self.mark_checked(optimizer, missing)
+
 
 class PhaseTable:
     """The records of every optimizer touched since the last ``update()``, keyed by ``id``."""
