@@ -42,6 +42,9 @@ def worker(rank: int, port: int) -> None:
     )
     try:
         train(rank)
+        # Leave together: a rank tearing gloo down while its peer is still connected can abort
+        # the peer ("terminate called without an active exception").
+        dist.barrier()
     finally:
         dist.destroy_process_group()
 
