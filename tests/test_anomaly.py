@@ -11,7 +11,7 @@ from torch import nn
 from torch.nn import functional as F
 
 import mixprec
-from mixprec import NonFiniteError, OverflowRiskWarning
+from mixprec.errors import NonFiniteError, OverflowRiskWarning
 
 
 class GradBomb(torch.autograd.Function):
@@ -59,7 +59,7 @@ def _model() -> nn.Sequential:
 X = torch.randn(16, 8)
 
 
-def _run(model: nn.Module, loss_factor: float = 1.0, **kw: Any) -> mixprec.NonFiniteFinder:
+def _run(model: nn.Module, loss_factor: float = 1.0, **kw: Any) -> mixprec.types.NonFiniteFinder:
     with mixprec.find_nonfinite(model, **kw) as finder:
         with torch.autocast("cpu", dtype=torch.float16):
             out = model(X)
@@ -168,9 +168,9 @@ def test_no_hook_remains_after_the_block() -> None:
 
 
 def test_bad_arguments_are_refused() -> None:
-    with pytest.raises(mixprec.ConfigError, match=r"nn\.Module"):
+    with pytest.raises(mixprec.errors.ConfigError, match=r"nn\.Module"):
         mixprec.find_nonfinite(object())  # type: ignore[arg-type]
-    with pytest.raises(mixprec.ConfigError, match="warn_within"):
+    with pytest.raises(mixprec.errors.ConfigError, match="warn_within"):
         mixprec.find_nonfinite(_model(), warn_within=0.5)
 
 

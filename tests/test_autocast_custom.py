@@ -9,7 +9,7 @@ import torch
 import torch.nn.functional as F
 
 import mixprec
-from mixprec import ConfigError
+from mixprec.errors import ConfigError
 
 BF16 = torch.bfloat16
 STATES: list[tuple[bool, torch.dtype]] = []
@@ -184,7 +184,7 @@ def test_seed_examples_with_real_fp16_on_cpu(
 
 
 def test_new_style_without_grad_holds_no_outputs() -> None:
-    from mixprec.autocast import custom
+    from mixprec._src.autocast import custom
 
     custom._flush_pending()
     a = torch.randn(3, 3)

@@ -15,17 +15,17 @@ import mixprec
 from autocast_helpers import MLP
 
 MODULES = [
-    "mixprec.autocast._casting",
-    "mixprec.autocast._devices",
-    "mixprec.autocast._modules",
-    "mixprec.autocast._ops",
-    "mixprec.autocast.custom",
-    "mixprec.autocast.native",
-    "mixprec.autocast.policy",
-    "mixprec.autocast.region",
-    "mixprec.autocast.report",
-    "mixprec.autocast.rules",
-    "mixprec.autocast.table",
+    "mixprec._src.autocast._casting",
+    "mixprec._src.autocast._devices",
+    "mixprec._src.autocast._modules",
+    "mixprec._src.autocast._ops",
+    "mixprec._src.autocast.custom",
+    "mixprec._src.autocast.native",
+    "mixprec._src.autocast.policy",
+    "mixprec._src.autocast.region",
+    "mixprec._src.autocast.report",
+    "mixprec._src.autocast.rules",
+    "mixprec._src.autocast.table",
 ]
 
 
@@ -64,8 +64,8 @@ def test_model_with_rule_hooks_deepcopies_and_pickles() -> None:
         assert torch.equal(out, ref)
         assert ac.report is not None and ac2.report is not None
         assert ac2.report.rows == ac.report.rows
-    assert mixprec.autocast.__module__ == "mixprec.autocast.region"
-    from mixprec.autocast import detach_hooks
+    assert mixprec.autocast.__module__ == "mixprec._src.autocast.region"
+    from mixprec._src.autocast._modules import detach_hooks
 
     assert detach_hooks(model) == 1
     with torch.autocast("cpu", dtype=torch.bfloat16):

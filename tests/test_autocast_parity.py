@@ -12,7 +12,7 @@ import torch
 
 import mixprec
 from autocast_helpers import bitwise_equal, make, step
-from mixprec import ConfigError
+from mixprec.errors import ConfigError
 
 BF16 = torch.bfloat16
 LOW = [torch.float16, BF16]

@@ -12,7 +12,8 @@ from torch.utils.checkpoint import checkpoint
 
 import mixprec
 from autocast_helpers import MLP, bitwise_equal, make, step
-from mixprec import ConfigError, Policy, Rule
+from mixprec import Policy, Rule
+from mixprec.errors import ConfigError
 
 BF16 = torch.bfloat16
 

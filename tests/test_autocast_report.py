@@ -12,8 +12,13 @@ from torch import nn
 
 import mixprec
 from autocast_helpers import MLP
-from mixprec.autocast import Rule, check_native_table, native_op_table, registered_autocast_ops
-from mixprec.autocast._ops import OpRuleMode
+from mixprec import Rule
+from mixprec._src.autocast._ops import OpRuleMode
+from mixprec._src.autocast.native import (
+    check_native_table,
+    native_op_table,
+    registered_autocast_ops,
+)
 
 BF16 = torch.bfloat16
 
@@ -58,7 +63,7 @@ def test_native_table_matches_the_installed_torch() -> None:
         missing, extra = check_native_table(dev)
         assert (missing, extra) == ([], []), (
             f"{dev}: table lists ops torch no longer registers: {missing}; "
-            f"torch registers ops the table lacks: {extra}. Update mixprec.autocast.native."
+            f"torch registers ops the table lacks: {extra}. Update mixprec._src.autocast.native."
         )
     assert len(registered_autocast_ops("cpu")) == 127
     assert len(registered_autocast_ops("cuda")) == 119
@@ -151,14 +156,14 @@ def test_cuda_region_without_gpu_warns_and_disables() -> None:
 
 
 def test_report_views_option_and_standalone_recording() -> None:
-    rep = mixprec.DtypeReport(include_views=True)
+    rep = mixprec.types.DtypeReport(include_views=True)
     x = torch.randn(4, 4)
     with mixprec.autocast("cpu", BF16), rep.record():
         (x.t() @ x).sum()
     ops = [r.op for r in rep.rows]
     assert "aten::t" in ops and "aten::mm" in ops
     assert ("-", "aten::mm", ("bf16", "bf16"), "bf16", 1) in rep.rows
-    plain = mixprec.DtypeReport()
+    plain = mixprec.types.DtypeReport()
     with plain.record():
         x.t()
     assert plain.rows == []

@@ -17,8 +17,8 @@ import torch
 from torch import nn
 
 import mixprec
+from mixprec._src.scaling.phases import OptState
 from mixprec.errors import ConfigError, LowPrecisionGradError
-from mixprec.scaler.phases import OptState
 
 
 class Rig:

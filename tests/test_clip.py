@@ -99,7 +99,8 @@ def test_clip_norm_matches_torch(norm_type, max_norm, bad, flat):
     assert (bad is None) == (got[3] == scale)
 
 
-@pytest.mark.filterwarnings("ignore::mixprec.ScaleCollapseWarning")  # scales below 1 on purpose
+# scales below 1 on purpose
+@pytest.mark.filterwarnings("ignore::mixprec.errors.ScaleCollapseWarning")
 @settings(max_examples=40, deadline=None)
 @given(
     seed=st.integers(0, 2**16),
@@ -266,7 +267,7 @@ def test_error_if_nonfinite_raises_and_changes_nothing():
     params, opt, scaler = ready()
     inject(params, math.nan)
     grads = [p.grad.clone() for p in params]
-    with pytest.raises(mixprec.NonFiniteNormError, match="non-finite") as info:
+    with pytest.raises(mixprec.errors.NonFiniteNormError, match="non-finite") as info:
         scaler.clip_grad_norm_(opt, 1.0, error_if_nonfinite=True)
     assert isinstance(info.value, RuntimeError)  # what torch raises
     for g, p in zip(grads, params, strict=True):

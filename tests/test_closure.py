@@ -17,7 +17,7 @@ from torch import nn
 from torch.nn import functional as F
 
 import mixprec
-from mixprec import LowPrecisionGradError, ScalerStateError
+from mixprec.errors import LowPrecisionGradError, ScalerStateError
 
 torch.manual_seed(0)
 A = torch.randn(64, 8)

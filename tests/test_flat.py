@@ -12,9 +12,9 @@ import pytest
 import torch
 
 import mixprec
-from mixprec.kernels import flat as flat_module
-from mixprec.kernels.flat import flat_view, flat_views
-from mixprec.kernels.plan import plan_grads
+from mixprec._src.kernels import flat as flat_module
+from mixprec._src.kernels.flat import flat_view, flat_views
+from mixprec._src.kernels.plan import plan_grads
 
 CPU32 = (torch.device("cpu"), torch.float32)
 
@@ -205,9 +205,9 @@ def test_flatten_grads_options_and_errors():
     assert len(flat.views) == 3 and "3 parameters" in repr(flat)
     assert model[0].weight.grad is None
     flat.remove()
-    with pytest.raises(mixprec.ConfigError, match="twice"):
+    with pytest.raises(mixprec.errors.ConfigError, match="twice"):
         mixprec.flatten_grads([params[1], params[1]])
-    with pytest.raises(mixprec.ConfigError, match="module or parameters"):
+    with pytest.raises(mixprec.errors.ConfigError, match="module or parameters"):
         mixprec.flatten_grads([1.0])
 
 

@@ -14,7 +14,7 @@ from torch import nn
 from torch.nn import functional as F
 
 import mixprec
-from mixprec import ConfigError, LowPrecisionGradError
+from mixprec.errors import ConfigError, LowPrecisionGradError
 
 torch.manual_seed(0)
 X = torch.randn(32, 8)

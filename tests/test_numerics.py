@@ -16,8 +16,8 @@ import pytest
 import torch
 
 import mixprec
+from mixprec._src.scaling.config import FP32_MAX, FP32_TINY
 from mixprec.errors import ScaleCollapseWarning
-from mixprec.scaler.config import FP32_MAX, FP32_TINY
 
 FP32_SMALLEST_SUBNORMAL = 2.0**-149
 

@@ -10,7 +10,7 @@ import torch
 from torch import nn
 
 import mixprec
-from mixprec import ConfigError
+from mixprec.errors import ConfigError
 
 
 def _model_and_opt(**opt_kwargs: object) -> tuple[nn.Module, torch.optim.Optimizer]:
@@ -208,7 +208,7 @@ def test_update_with_unstepped_optimizer_raises() -> None:
     scaler = mixprec.GradScaler()
     _backward(scaler, model)
     scaler.step(opt)
-    with pytest.raises(mixprec.ScalerStateError, match="neither unscaled nor stepped"):
+    with pytest.raises(mixprec.errors.ScalerStateError, match="neither unscaled nor stepped"):
         scaler.update(other)
     scaler.update(opt)
 
@@ -377,7 +377,7 @@ def test_load_state_dict_mid_iteration_is_refused() -> None:
     saved = scaler.state_dict()
     _backward(scaler, model)
     scaler.unscale_(opt)
-    with pytest.raises(mixprec.ScalerStateError, match="mid-iteration"):
+    with pytest.raises(mixprec.errors.ScalerStateError, match="mid-iteration"):
         scaler.load_state_dict(saved)
     scaler.step(opt)
     scaler.update()

@@ -9,7 +9,7 @@ import torch
 from torch import nn
 
 import mixprec
-from mixprec import LowPrecisionGradError, MissingGradError, ScalerStateError
+from mixprec.errors import LowPrecisionGradError, MissingGradError, ScalerStateError
 
 
 @pytest.fixture
@@ -85,7 +85,7 @@ def test_fp16_grads_are_named_and_nothing_changes(setup: tuple) -> None:
     ):
         scaler.unscale_(opt)
     assert torch.equal(before, model[0].weight.grad)  # nothing was unscaled
-    assert scaler._phases.get(opt).stage is mixprec.OptState.READY
+    assert scaler._phases.get(opt).stage is mixprec.types.OptState.READY
 
 
 def test_pickle_mid_iteration_is_refused(setup: tuple) -> None:
@@ -111,6 +111,6 @@ def test_load_state_dict_validates_first_and_changes_nothing() -> None:
         ({**good, "_growth_tracker": 1.5}, "int >= 0"),
         ([1, 2], "expects a dict"),
     ]:
-        with pytest.raises(mixprec.ConfigError, match=fragment):
+        with pytest.raises(mixprec.errors.ConfigError, match=fragment):
             scaler.load_state_dict(bad)  # type: ignore[arg-type]
         assert scaler.state_dict() == good

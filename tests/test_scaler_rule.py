@@ -9,8 +9,8 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from mixprec import ScalerConfig
-from mixprec.scaler.config import FP32_TINY
-from mixprec.scaler.rule import HostScale, ScaleState, _general_update_, to_f32, update_scale_
+from mixprec._src.scaling.config import FP32_TINY
+from mixprec._src.scaling.rule import HostScale, ScaleState, _general_update_, to_f32, update_scale_
 
 # Overflow flags as torch sees them: 0 is clean; anything else (NaN and negatives too) overflows.
 flags = st.sampled_from([0.0, 0.0, 0.0, 1.0, 2.0, math.nan, -1.0])

@@ -61,7 +61,7 @@ def test_scheduler_and_ema_advance_only_on_real_updates(fused: bool) -> None:
 
 
 def test_last_step_skipped_before_any_step_raises() -> None:
-    with pytest.raises(mixprec.ScalerStateError, match=r"before any scaler\.step"):
+    with pytest.raises(mixprec.errors.ScalerStateError, match=r"before any scaler\.step"):
         mixprec.GradScaler().last_step_skipped()
 
 
@@ -82,7 +82,7 @@ def test_history_is_bounded_and_records_the_scale_used() -> None:
 def test_update_hook_gets_device_tensors_and_can_be_removed() -> None:
     model, opt = _setup()
     scaler = mixprec.GradScaler()
-    events: list[mixprec.UpdateEvent] = []
+    events: list[mixprec.types.UpdateEvent] = []
     handle = scaler.register_update_hook(lambda s, e: events.append(e))
     _iteration(scaler, model, opt, inject=True)
     scaler.update()
@@ -92,7 +92,7 @@ def test_update_hook_gets_device_tensors_and_can_be_removed() -> None:
     _iteration(scaler, model, opt)
     scaler.update()
     assert len(events) == 1
-    with pytest.raises(mixprec.ConfigError):
+    with pytest.raises(mixprec.errors.ConfigError):
         scaler.register_update_hook("not callable")  # type: ignore[arg-type]
 
 
@@ -100,7 +100,7 @@ def test_scale_below_one_warns_once_and_names_parameters() -> None:
     model, opt = _setup()
     opt = torch.optim.AdamW(model.named_parameters(), lr=0.01)
     scaler = mixprec.GradScaler(init_scale=2.0)
-    with pytest.warns(mixprec.ScaleCollapseWarning) as record:
+    with pytest.warns(mixprec.errors.ScaleCollapseWarning) as record:
         for _ in range(4):
             _iteration(scaler, model, opt, inject=True)
             scaler.update()
@@ -113,7 +113,7 @@ def test_scale_below_one_warns_once_and_names_parameters() -> None:
 def test_many_consecutive_skips_warn() -> None:
     model, opt = _setup()
     scaler = mixprec.GradScaler(min_scale=1.0, init_scale=1.0)
-    with pytest.warns(mixprec.ScaleCollapseWarning, match="50 consecutive iterations"):
+    with pytest.warns(mixprec.errors.ScaleCollapseWarning, match="50 consecutive iterations"):
         for _ in range(50):
             _iteration(scaler, model, opt, inject=True)
             scaler.update()
@@ -128,7 +128,7 @@ def test_max_consecutive_skips_raises_and_scaler_stays_usable() -> None:
         _iteration(scaler, model, opt, inject=True)
         scaler.update()
     _iteration(scaler, model, opt, inject=True)
-    with pytest.raises(mixprec.ScaleCollapseError, match="3 consecutive iterations") as info:
+    with pytest.raises(mixprec.errors.ScaleCollapseError, match="3 consecutive iterations") as info:
         scaler.update()
     assert "1.weight" in str(info.value) and isinstance(info.value, RuntimeError)
     _iteration(scaler, model, opt)  # the next iteration works

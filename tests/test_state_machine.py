@@ -36,8 +36,8 @@ from hypothesis.stateful import RuleBasedStateMachine, invariant, rule
 from torch import nn
 
 import mixprec
+from mixprec._src.scaling.phases import OptState
 from mixprec.errors import ConfigError, MissingGradError, ScalerStateError
-from mixprec.scaler.phases import OptState
 
 INIT_SCALE = 2.0**10
 INTERVAL = 3

@@ -12,6 +12,9 @@ __all__ = [
     "MissingGradError",
     "MixprecError",
     "MixprecWarning",
+    "NonFiniteError",
+    "NonFiniteNormError",
+    "OverflowRiskWarning",
     "ScaleCollapseError",
     "ScaleCollapseWarning",
     "ScalerStateError",
@@ -42,9 +45,21 @@ class ScaleCollapseError(MixprecError, RuntimeError):
     """Too many consecutive iterations overflowed: training is no longer making progress."""
 
 
+class NonFiniteNormError(MixprecError, RuntimeError):
+    """``clip_grad_norm_(..., error_if_nonfinite=True)`` met an inf/NaN gradient norm."""
+
+
+class NonFiniteError(MixprecError, FloatingPointError):
+    """Raised at the first non-finite value when ``find_nonfinite(..., raise_on_first=True)``."""
+
+
 class MixprecWarning(UserWarning):
     """Base class of every warning emitted by mixprec."""
 
 
 class ScaleCollapseWarning(MixprecWarning):
     """The loss scale fell below 1, or many consecutive steps were skipped."""
+
+
+class OverflowRiskWarning(MixprecWarning):
+    """An fp16 activation came within ``warn_within`` of fp16's largest value (65504)."""

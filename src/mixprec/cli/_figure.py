@@ -5,8 +5,8 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any
 
+from mixprec._src.scaling.telemetry import HistoryEntry
 from mixprec.cli._task import RunResult
-from mixprec.scaler.telemetry import HistoryEntry
 
 __all__ = ["PlotUnavailable", "write_figure"]
 
@@ -83,7 +83,7 @@ def write_figure(results: list[RunResult], path: Path) -> Path:
 
 def _draw_scale(ax: Any, scaled: list[RunResult]) -> None:
     """The scaled run's scale per step with skipped steps marked: ``mixprec.plot``'s drawing."""
-    from mixprec.integrations.plot import plot
+    from mixprec._src.plot import plot
 
     for r in scaled:
         skipped = set(r.skipped_steps)

@@ -11,7 +11,7 @@ when it is missing; ``import mixprec`` never imports any of them.
   Lightning loggers, ``accelerator.log``, wandb) and
   :class:`~mixprec.integrations.tensorboard.TensorBoardHook`: update hooks that write the scale,
   the skips and the grad norm (TensorBoard: ``pip install 'mixprec[tensorboard]'``).
-* :mod:`mixprec.integrations.plot`: :func:`mixprec.plot` (``pip install 'mixprec[plot]'``).
+* :func:`mixprec.plot` draws a scale history with matplotlib (``pip install 'mixprec[plot]'``).
 * :mod:`mixprec.integrations.schedulers`: :class:`SkipAwareScheduler`, an LR scheduler that does
   not advance on skipped steps (no extra needed).
 """

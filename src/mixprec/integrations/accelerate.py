@@ -19,9 +19,9 @@ from __future__ import annotations
 
 from typing import Any
 
+from mixprec._src.deps import require
+from mixprec._src.scaling.grad_scaler import GradScaler
 from mixprec.errors import ConfigError, ScalerStateError
-from mixprec.integrations._deps import require
-from mixprec.scaler.grad_scaler import GradScaler
 
 __all__ = ["use_mixprec_scaler"]
 

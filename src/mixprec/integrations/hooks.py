@@ -14,9 +14,9 @@ from typing import Any
 
 import torch
 
+from mixprec._src.scaling.grad_scaler import GradScaler
+from mixprec._src.scaling.telemetry import UpdateEvent
 from mixprec.errors import ConfigError
-from mixprec.scaler.grad_scaler import GradScaler
-from mixprec.scaler.telemetry import UpdateEvent
 
 __all__ = ["LoggingHook", "MetricsHook", "UpdateRecord", "WindowedUpdateHook"]
 

@@ -27,11 +27,12 @@ from typing import Any
 
 import torch
 
-from mixprec.autocast import Policy, autocast
+from mixprec._src.autocast.policy import Policy
+from mixprec._src.autocast.region import autocast
+from mixprec._src.deps import require
+from mixprec._src.scaling.grad_scaler import GradScaler
 from mixprec.errors import ConfigError
-from mixprec.integrations._deps import require
 from mixprec.integrations.schedulers import SkipAwareScheduler
-from mixprec.scaler.grad_scaler import GradScaler
 
 # MixprecPrecision is built on first access by the module __getattr__ below.
 __all__ = [

@@ -13,8 +13,8 @@ from typing import Any
 
 import torch
 
+from mixprec._src.scaling.grad_scaler import GradScaler
 from mixprec.errors import ConfigError, ScalerStateError
-from mixprec.scaler.grad_scaler import GradScaler
 
 __all__ = ["SkipAwareScheduler"]
 

@@ -10,7 +10,7 @@ import math
 from pathlib import Path
 from typing import Any
 
-from mixprec.integrations._deps import require
+from mixprec._src.deps import require
 from mixprec.integrations.hooks import UpdateRecord, WindowedUpdateHook
 
 __all__ = ["TensorBoardHook"]

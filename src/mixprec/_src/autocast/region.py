@@ -1,0 +1,327 @@
+"""``mixprec.autocast``: native ``torch.autocast`` underneath, plus policies and a dtype report."""
+
+from __future__ import annotations
+
+import functools
+from collections.abc import Callable
+from typing import Any, TypeVar
+
+import torch
+from torch._compile import _disable_dynamo
+
+from mixprec._src.autocast._devices import resolve_device_type, resolve_low_dtype
+from mixprec._src.autocast._modules import (
+    TLS,
+    Frame,
+    acquire_global_hooks,
+    release_global_hooks,
+)
+from mixprec._src.autocast._ops import OpRuleMode
+from mixprec._src.autocast.policy import Policy, intern_policy
+from mixprec._src.autocast.report import DtypeReport
+from mixprec.errors import ConfigError
+
+F = TypeVar("F", bound=Callable[..., Any])
+
+
+def _check_bool(name: str, value: object, allow_none: bool = False) -> None:
+    if isinstance(value, bool) or (allow_none and value is None):
+        return
+    accepted = "True, False or None" if allow_none else "True or False"
+    raise ConfigError(f"{name} must be {accepted}, got {value!r}")
+
+
+@functools.lru_cache(maxsize=64)
+def _parse_policy(spec: str) -> Policy:
+    return Policy(spec)
+
+
+def _coerce_policy(policy: object) -> Policy | None:
+    if policy is None:
+        return None
+    if isinstance(policy, Policy):
+        return intern_policy(policy)
+    if isinstance(policy, str):
+        return intern_policy(_parse_policy(policy))
+    raise ConfigError(
+        f"policy must be a mixprec.Policy, a policy string or None, got {type(policy).__name__}"
+    )
+
+
+_COMPILE_MSG = (
+    "mixprec.autocast with a policy or a report (or nested in a region that has one) cannot be "
+    "entered inside a torch.compile'd function; enter it around the compiled call instead: "
+    "`with mixprec.autocast(policy=p): out = compiled_model(x)`"
+)
+
+
+_PRECONSTRUCTED_MSG = (
+    "a mixprec.autocast object created outside a torch.compile'd function cannot be entered "
+    "inside it (Dynamo cannot trace an explicit enter of native autocast); write "
+    "`with mixprec.autocast(...):` inside the function, or enter the region around the call"
+)
+
+
+@_disable_dynamo
+def _refuse_while_compiling(message: str) -> None:
+    # Dynamo runs this eagerly (a graph break), so the error reaches the user instead of being
+    # absorbed by tracing.
+    raise ConfigError(message)
+
+
+class _Entered:
+    """What one ``__enter__`` did, so that ``__exit__`` can undo exactly that."""
+
+    __slots__ = ("frame", "hooks", "mode", "native", "recorder")
+
+    def __init__(self, native: torch.autocast) -> None:
+        self.native = native
+        self.frame: Frame | None = None
+        self.hooks = False
+        self.mode: OpRuleMode | None = None
+        self.recorder: Any = None
+
+
+class autocast:
+    """Context manager and decorator: a mixed-precision region on any device.
+
+    Enters native ``torch.autocast`` (C++ casts, the weight cache, autograd and ``torch.compile``
+    support). Without a policy and a report it behaves exactly like ``torch.autocast``. With a
+    :class:`mixprec.Policy`, module rules apply to every module run inside the region and op rules
+    to matching torch function calls; both keep working in checkpoint recomputation. Re-entrant,
+    nestable and thread-local like the native region (new threads must enter their own region).
+
+    Args:
+        device_type: ``"cpu"``, ``"cuda"``, ``"cuda:0"``, a ``torch.device``, or ``None`` for the
+            device the user trains on (the current accelerator when there is one, else the CPU).
+        dtype: the low-precision dtype, ``torch.float16`` (default, as in torch.cuda.amp) or
+            ``torch.bfloat16``. Any other dtype raises :class:`ConfigError` (native autocast only
+            warns and disables itself); to compute in fp32 pass ``enabled=False``.
+        enabled: whether the region casts at all; when ``False`` no rule applies either.
+        cache_enabled: the native weight-cast cache; ``None`` inherits the current setting, except
+            that a nested region switching to a different low dtype turns it off (the native cache
+            is not keyed by dtype and would reuse the outer region's casts).
+        policy: optional :class:`mixprec.Policy` or policy string. A nested region without a policy
+            inherits the enclosing region's policy.
+        report: record a :class:`DtypeReport` of the forward ops into :attr:`report` (slow: an
+            observing dispatch mode; eager only).
+
+    Example:
+        >>> import torch
+        >>> import mixprec
+        >>> lin = torch.nn.Linear(4, 4)
+        >>> with mixprec.autocast("cpu"):
+        ...     y = lin(torch.randn(2, 4))
+        >>> y.dtype
+        torch.float16
+        >>> policy = mixprec.Policy("nn.Linear=fp32")
+        >>> with mixprec.autocast("cpu", torch.bfloat16, policy=policy):
+        ...     lin(torch.randn(2, 4)).dtype
+        torch.float32
+
+    Raises:
+        ConfigError: an unknown device type, a dtype other than float16/bfloat16, a non-bool
+            flag, a bad policy; at exit, with a strict policy, a module name rule that matched no
+            module run in the region.
+
+    Host sync: none.
+    """
+
+    def __new__(
+        cls,
+        device_type: str | torch.device | None = None,
+        dtype: torch.dtype | None = None,
+        enabled: bool = True,
+        cache_enabled: bool | None = None,
+        *,
+        policy: Policy | str | None = None,
+        report: bool = False,
+    ) -> Any:
+        # While Dynamo traces, a plain region *is* torch.autocast, which Dynamo models natively
+        # (one graph, correct state across graph breaks inside the region).
+        if torch.compiler.is_compiling():
+            if policy is not None or report or TLS.frames:
+                obj = super().__new__(cls)
+                obj.__dict__["_traced"] = True  # _enter_full (run eagerly by Dynamo) refuses
+                return obj
+            return torch.autocast(
+                resolve_device_type(device_type),
+                dtype=resolve_low_dtype(dtype),
+                enabled=enabled,
+                cache_enabled=cache_enabled,
+            )
+        return super().__new__(cls)
+
+    def __init__(
+        self,
+        device_type: str | torch.device | None = None,
+        dtype: torch.dtype | None = None,
+        enabled: bool = True,
+        cache_enabled: bool | None = None,
+        *,
+        policy: Policy | str | None = None,
+        report: bool = False,
+    ) -> None:
+        _check_bool("enabled", enabled)
+        _check_bool("cache_enabled", cache_enabled, allow_none=True)
+        _check_bool("report", report)
+        self.device = resolve_device_type(device_type)
+        self.fast_dtype = resolve_low_dtype(dtype)
+        self.enabled = enabled
+        self.cache_enabled = cache_enabled
+        self.policy = _coerce_policy(policy)
+        self.report: DtypeReport | None = DtypeReport() if report else None
+        # One entry per active ``__enter__`` (re-entrant); like torch.autocast, one instance must
+        # not be entered from two threads at once (the decorator form makes a fresh one per call).
+        self._stack: list[Any] = []
+
+    def _native(self) -> torch.autocast:
+        if torch.compiler.is_compiling():
+            _refuse_while_compiling(_PRECONSTRUCTED_MSG)
+        cache = self.cache_enabled
+        dev = self.device
+        if (
+            cache is None
+            and torch.is_autocast_enabled(dev)
+            and torch.get_autocast_dtype(dev) != self.fast_dtype
+        ):
+            cache = False
+        return torch.autocast(dev, dtype=self.fast_dtype, enabled=self.enabled, cache_enabled=cache)
+
+    def __enter__(self) -> autocast:
+        if self.policy is None and self.report is None and not TLS.frames:
+            native = self._native()  # the thin path: native autocast and nothing else
+            native.__enter__()
+            self._stack.append(native)
+            return self
+        if torch.compiler.is_compiling():
+            _enter_full_eagerly(self)
+        else:
+            self._enter_full()
+        return self
+
+    def _enter_full(self) -> None:
+        # Never traced: inside a compiled function Dynamo runs this frame eagerly (the policy
+        # machinery installs hooks and modes); around a compiled call, rules trace into the graph.
+        if self.__dict__.get("_traced"):
+            raise ConfigError(_COMPILE_MSG)
+        native = self._native()
+        native.__enter__()
+        entered = _Entered(native)
+        self._stack.append(entered)
+        try:
+            self._enter_machinery(entered)
+        except BaseException:
+            self._stack.pop()
+            native.__exit__(None, None, None)
+            raise
+
+    def _enter_machinery(self, entered: _Entered) -> None:
+        tls = TLS
+        policy = self.policy
+        if policy is None and tls.frames:
+            policy = tls.frames[-1].policy
+        enabled = bool(getattr(entered.native, "_enabled", self.enabled))
+        frame = Frame(self.device, self.fast_dtype, enabled, policy)
+        frame.stack_len = len(tls.stack)
+        if not tls.frames:
+            tls.root, tls.root_map, tls.roots = None, {}, []  # names: roots run in this region
+        tls.frames.append(frame)
+        entered.frame = frame
+        if policy is not None or self.report is not None:
+            acquire_global_hooks(post=self.report is not None)
+            entered.hooks = True
+            tls.reporting += self.report is not None
+        if policy is not None and policy.op_rules and enabled:
+            entered.mode = OpRuleMode(policy._op_table, self.device)
+            entered.mode.__enter__()
+        if self.report is not None:
+            entered.recorder = self.report.record("forward")
+            entered.recorder.__enter__()
+
+    def __exit__(self, exc_type: Any, exc: Any, tb: Any) -> None:
+        if not isinstance(self._stack[-1], _Entered):
+            self._stack.pop().__exit__(exc_type, exc, tb)
+            return
+        if torch.compiler.is_compiling():
+            _exit_full_eagerly(self, exc_type, exc, tb)
+        else:
+            self._exit_full(exc_type, exc, tb)
+
+    def _exit_full(self, exc_type: Any, exc: Any, tb: Any) -> None:
+        entered = self._stack.pop()
+        try:
+            self._exit_machinery(entered, exc_type is None)
+        finally:
+            entered.native.__exit__(exc_type, exc, tb)
+
+    def _exit_machinery(self, entered: _Entered, clean: bool) -> None:
+        tls = TLS
+        frame = entered.frame
+        assert frame is not None
+        try:
+            if entered.recorder is not None:
+                entered.recorder.__exit__(None, None, None)
+            if entered.mode is not None:
+                entered.mode.__exit__(None, None, None)
+        finally:
+            if entered.hooks:
+                release_global_hooks(post=self.report is not None)
+                tls.reporting -= self.report is not None
+            del tls.frames[tls.frames.index(frame) :]
+            del tls.stack[frame.stack_len :]
+        policy = frame.policy
+        strict = clean and policy is not None and policy is self.policy and policy.strict
+        if strict and policy is not None and policy.name_rules and frame.names_seen:
+            policy.check_names(sorted(frame.names_seen), frame.names_seen)
+
+    def __call__(self, func: F) -> F:
+        """Use the region as a decorator: each call enters a fresh region with these settings.
+
+        Example:
+            >>> import torch
+            >>> import mixprec
+            >>> @mixprec.autocast("cpu", torch.bfloat16)
+            ... def f(a, b):
+            ...     return a @ b
+            >>> f(torch.ones(2, 2), torch.ones(2, 2)).dtype
+            torch.bfloat16
+
+        Host sync: none.
+        """
+
+        @functools.wraps(func)
+        def wrapper(*args: Any, **kwargs: Any) -> Any:
+            with self._clone():
+                return func(*args, **kwargs)
+
+        return wrapper  # type: ignore[return-value]
+
+    def _clone(self) -> Any:
+        thin = self.policy is None and self.report is None and not TLS.frames
+        if thin and torch.compiler.is_compiling():
+            return torch.autocast(
+                self.device,
+                dtype=self.fast_dtype,
+                enabled=self.enabled,
+                cache_enabled=self.cache_enabled,
+            )
+        new = object.__new__(autocast)
+        new.__dict__.update(self.__dict__)
+        new._stack = []
+        return new
+
+    def __repr__(self) -> str:
+        extra = f", policy={self.policy!r}" if self.policy is not None else ""
+        return (
+            f"mixprec.autocast({self.device!r}, {self.fast_dtype}, enabled={self.enabled}, "
+            f"cache_enabled={self.cache_enabled}{extra})"
+        )
+
+
+# Dynamo must not trace the policy machinery (hooks, modes): while compiling, enter and exit run
+# eagerly through these (disabling costs tens of microseconds, so only then). torch's own lazy
+# form of torch.compiler.disable is used: the eager one imports torch._dynamo (and sympy) at
+# `import mixprec`, about a second, for users who never compile.
+_enter_full_eagerly = _disable_dynamo(autocast._enter_full)
+_exit_full_eagerly = _disable_dynamo(autocast._exit_full)

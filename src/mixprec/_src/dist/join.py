@@ -1,0 +1,112 @@
+"""Uneven inputs: shadow iterations for ``torch.distributed.algorithms.Join``."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+from torch.distributed.algorithms.join import Joinable, JoinHook
+
+from mixprec._src.dist.agree import agree_found_inf_, comm_device, validate_group
+from mixprec._src.dist.norms import all_reduce_norm_
+from mixprec.errors import ConfigError
+from mixprec._src.scaling.phases import OptState
+
+
+
+class JoinableScaler(Joinable):
+    """Lets a GradScaler take part in ``torch.distributed.algorithms.Join`` (uneven inputs).
+
+    A rank that runs out of batches stops calling ``update()``; without help its growth counter
+    and scale fall behind the others' (pytorch#90057). Inside ``Join([model, JoinableScaler(s)])``
+    each iteration a joined rank still runs while others train becomes a *shadow iteration*: it
+    takes part in the same all-reduces as a training rank (with 0) and calls ``update()`` with
+    the agreed flag, so scale, growth counter and counters stay identical on every rank. While
+    joined, the scaler agrees on every skip over the join's group even when it has no
+    ``process_group`` (DDP's replicated grads need none otherwise; their clipping norm stays
+    local). List the model first: the first joinable signals the context each iteration, before
+    its own collectives. A shadow iteration replays the all-reduces of the joined rank's last
+    real iteration (one per optimizer: a found-inf MAX, or the norm of
+    ``scaler.clip_grad_norm_``), so every iteration must check the same optimizers the same way.
+
+    Args:
+        scaler: the :class:`~mixprec.GradScaler`.
+        process_group: the join's group (the DDP model's); default: the scaler's
+            ``process_group``, else the world.
+
+    Raises:
+        ConfigError: torch.distributed is not initialised.
+
+    Example:
+        >>> import torch.distributed as dist, mixprec
+        >>> from mixprec.distributed import JoinableScaler
+        >>> dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
+        >>> JoinableScaler(mixprec.GradScaler()).join_process_group is dist.group.WORLD
+        True
+        >>> dist.destroy_process_group()
+
+    Host sync: none at construction; a joined rank reads each shadow iteration's flag.
+    """
+
+    def __init__(self, scaler: Any, process_group: Any = None) -> None:
+        super().__init__()
+        import torch.distributed as dist
+
+        if not dist.is_available() or not dist.is_initialized():
+            raise ConfigError(
+                "JoinableScaler needs torch.distributed: call "
+                "torch.distributed.init_process_group(...) before wrapping the scaler."
+            )
+        group = validate_group(process_group) or scaler._dist.group or dist.group.WORLD
+        self._scaler = scaler
+        self._group = group
+        scaler._dist.join_group = group
+        scaler._dist.joinable = self
+
+    def join_hook(self, **kwargs: Any) -> JoinHook:
+        """The hook that runs shadow iterations. Host sync: none."""
+        return _ScalerJoinHook(self._scaler, self._group, self.join_device)
+
+    @property
+    def join_device(self) -> torch.device:
+        """Where the join context's own all-reduces run. Host sync: none."""
+        scale = self._scaler._get_scale_async()
+        device = scale.device if scale is not None else torch.device("cpu")
+        return comm_device(self._group, device)
+
+    @property
+    def join_process_group(self) -> Any:
+        """The scaler's process group. Host sync: none."""
+        return self._group
+
+
+class _ScalerJoinHook(JoinHook):
+    def __init__(self, scaler: Any, group: Any, device: torch.device) -> None:
+        self._scaler = scaler
+        self._group = group
+        self._device = device
+        self._keys = [object()]
+
+    def main_hook(self) -> None:
+        """One shadow iteration: the training ranks' all-reduces with 0, then ``update()``."""
+        scaler = self._scaler
+        device = scaler._lazy_init(self._device).scale.device
+        kinds = scaler._dist.last_issued or [0.0]
+        while len(self._keys) < len(kinds):
+            self._keys.append(object())
+        for key, kind in zip(self._keys, kinds, strict=False):  # keys may be more
+            zero = torch.zeros((), device=device)
+            if kind == 0.0:  # a found-inf agreement
+                agreed = agree_found_inf_(zero, self._group)
+            else:  # a clipping's norm: the flag is its non-finiteness
+                total = all_reduce_norm_(zero, kind, self._group)
+                agreed = torch.logical_not(torch.isfinite(total)).to(torch.float32)
+            record = scaler._phases.get(key)
+            record.found_inf_per_device = {agreed.device: agreed}
+            record.stage = OptState.STEPPED
+            record.skipped = bool(agreed.item() != 0)
+        scaler._dist.issued = list(kinds)
+        scaler.update()
+
+    def post_hook(self, is_last_joiner: bool) -> None:
+        """Nothing to do: every shadow iteration already kept the state in step."""

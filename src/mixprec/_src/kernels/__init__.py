@@ -1,0 +1,1 @@
+"""Passes over gradients: grouping, unscale + non-finite check."""

@@ -1,0 +1,227 @@
+"""Gradients of an optimizer, grouped by (device, dtype) for one kernel launch per group.
+
+Planning runs on every ``unscale_``/``step``/``clip_grad_norm_``, so it is kept cheap: the common
+case (every grad present, dense, of one device and dtype) is recognised with C-level ``map`` calls
+and no per-parameter Python loop. Groups whose grads tile one contiguous range of a shared buffer
+get flat 1-D views (:func:`mixprec._src.kernels.flat.flat_views`). When *every* group is flat, the
+plan is cached per optimizer and revalidated on each call from the grads' identities, addresses
+and sizes (three ``map`` passes): such grads are views of a long-lived buffer, so holding them
+costs no memory. Other plans are never cached, so that ``zero_grad(set_to_none=True)`` frees the
+grads as users expect.
+"""
+
+from __future__ import annotations
+
+import itertools
+import operator
+import weakref
+from collections.abc import Iterator, Sequence
+from dataclasses import dataclass, field
+from typing import cast
+
+import torch
+
+from mixprec._src.kernels.flat import flat_views, kernel_pieces
+from mixprec.errors import ConfigError
+
+GroupKey = tuple[torch.device, torch.dtype]
+
+
+@dataclass(frozen=True)
+class ParamRef:
+    """Where a parameter sits in an optimizer, for messages that name it."""
+
+    group: int
+    index: int
+    name: str | None
+    param: torch.Tensor
+
+    def describe(self) -> str:
+        """``'encoder.weight'`` when the optimizer knows names, else group, index and shape."""
+        if self.name is not None:
+            return self.name
+        shape = "x".join(str(s) for s in self.param.shape) or "scalar"
+        return f"param_groups[{self.group}]['params'][{self.index}] (shape {shape})"
+
+
+@dataclass
+class GradPlan:
+    """One optimizer's gradients, ready for the unscale kernels.
+
+    Attributes:
+        dense: dense grads grouped by (device, dtype).
+        sparse: parameters with a sparse grad (their values join ``dense`` at unscale time).
+        low_precision: parameters whose dense grad is float16.
+        missing: parameters without a grad.
+        flat: for the dense groups whose grads tile contiguous ranges of shared buffers, 1-D
+            views of those ranges (one per buffer).
+    """
+
+    dense: dict[GroupKey, list[torch.Tensor]] = field(default_factory=dict)
+    sparse: list[ParamRef] = field(default_factory=list)
+    low_precision: list[ParamRef] = field(default_factory=list)
+    missing: list[ParamRef] = field(default_factory=list)
+    flat: dict[GroupKey, list[torch.Tensor]] = field(default_factory=dict)
+    _kernel_groups: dict[GroupKey, list[torch.Tensor]] | None = field(default=None, repr=False)
+
+    def kernel_groups(self) -> dict[GroupKey, list[torch.Tensor]]:
+        """The dense groups as the kernels should get them: flat ranges where there are some
+        (cut into pieces on the CPU, see :func:`mixprec._src.kernels.flat.kernel_pieces`)."""
+        if self._kernel_groups is None:
+            self._kernel_groups = {
+                key: kernel_pieces(self.flat[key]) if key in self.flat else grads
+                for key, grads in self.dense.items()
+            }
+        return self._kernel_groups
+
+    @property
+    def devices(self) -> set[torch.device]:
+        """Every device that holds at least one grad."""
+        devs = {key[0] for key in self.dense}
+        devs.update(ref.param.grad.device for ref in self.sparse if ref.param.grad is not None)
+        return devs
+
+    def all_grads(self) -> Iterator[torch.Tensor]:
+        """Every dense grad, group after group."""
+        for grads in self.dense.values():
+            yield from grads
+
+
+def iter_params(optimizer: torch.optim.Optimizer) -> Iterator[ParamRef]:
+    """Every parameter of ``optimizer`` with its position and (if known) name.
+
+    Raises:
+        ConfigError: a ``params`` entry is not a tensor.
+    """
+    for g, group in enumerate(optimizer.param_groups):
+        names = group.get("param_names")
+        for i, param in enumerate(group["params"]):
+            if not isinstance(param, torch.Tensor):
+                raise ConfigError(
+                    f"optimizer.param_groups[{g}]['params'][{i}] is a {type(param).__name__}, "
+                    "not a torch.Tensor. Build the optimizer from model.parameters() or "
+                    "model.named_parameters()."
+                )
+            name = names[i] if names is not None and i < len(names) else None
+            yield ParamRef(g, i, name, param)
+
+
+def plan_grads(optimizer: torch.optim.Optimizer) -> GradPlan:
+    """Group the optimizer's grads by (device, dtype) and find the flat groups.
+
+    Host sync: none.
+    """
+    if torch.compiler.is_compiling():  # the cache and the flat views read storage addresses,
+        return _build_plan_slow(optimizer)  # which dynamo cannot trace: plain per-group plan
+    grads = _current_grads(optimizer)
+    cached = _CACHE.get(optimizer)
+    if cached is not None and grads is not None and cached.matches(grads):
+        return cached.plan
+    plan = _build_plan(optimizer, grads)
+    for key, group in plan.dense.items():
+        views = flat_views(group)
+        if views is not None:
+            plan.flat[key] = views
+    if grads is not None and _cacheable(plan):  # no grad is None then
+        _CACHE[optimizer] = _CachedPlan(cast("list[torch.Tensor]", grads), plan)
+    else:
+        _CACHE.pop(optimizer, None)
+    return plan
+
+
+def clear_plan_cache(optimizer: torch.optim.Optimizer | None = None) -> None:
+    """Forget the cached plan of ``optimizer`` (of every optimizer when None).
+
+    Host sync: none.
+    """
+    if optimizer is None:
+        _CACHE.clear()
+    else:
+        _CACHE.pop(optimizer, None)
+
+
+class _CachedPlan:
+    """A plan whose every group is flat, with the key that says it still applies."""
+
+    def __init__(self, grads: list[torch.Tensor], plan: GradPlan) -> None:
+        self.grads = grads
+        self.ptrs = list(map(torch.Tensor.data_ptr, grads))
+        self.numels = list(map(torch.Tensor.numel, grads))
+        self.plan = plan
+
+    def matches(self, grads: Sequence[torch.Tensor | None]) -> bool:
+        # Same tensor objects, still at the same addresses with the same sizes. Checking
+        # identity first makes data_ptr/numel safe to call (no None left).
+        return (
+            len(grads) == len(self.grads)
+            and all(map(operator.is_, grads, self.grads))
+            and list(map(torch.Tensor.data_ptr, self.grads)) == self.ptrs
+            and list(map(torch.Tensor.numel, self.grads)) == self.numels
+        )
+
+
+_CACHE: weakref.WeakKeyDictionary[torch.optim.Optimizer, _CachedPlan] = weakref.WeakKeyDictionary()
+
+
+def _cacheable(plan: GradPlan) -> bool:
+    return (
+        not plan.missing
+        and not plan.sparse
+        and bool(plan.dense)
+        and plan.flat.keys() == plan.dense.keys()
+    )
+
+
+def _current_grads(optimizer: torch.optim.Optimizer) -> list[torch.Tensor | None] | None:
+    """Every param's grad, in order; None when a ``params`` entry is not a tensor."""
+    params = itertools.chain.from_iterable(group["params"] for group in optimizer.param_groups)
+    try:
+        return list(map(_GRAD, params))
+    except AttributeError:
+        return None
+
+
+_GRAD = operator.attrgetter("grad")
+_IS_SPARSE = operator.attrgetter("is_sparse")
+_IS_CPU = operator.attrgetter("is_cpu")
+_DTYPE = operator.attrgetter("dtype")
+_DEVICE = operator.attrgetter("device")
+
+
+def _build_plan(optimizer: torch.optim.Optimizer, grads: list | None) -> GradPlan:
+    """The plan, without a per-parameter Python loop when every grad is dense and alike.
+
+    Each test is one C-level ``map`` (about 50 ns per grad): sparse (which also fails on a
+    missing grad), dtype, device (``is_cpu`` first: creating device objects costs twice as much).
+    """
+    if grads:
+        try:
+            sparse = any(map(_IS_SPARSE, grads))
+        except AttributeError:  # a grad is None
+            sparse = True
+        dtypes = set() if sparse else set(map(_DTYPE, grads))
+        if len(dtypes) == 1:
+            one_device = all(map(_IS_CPU, grads)) or len(set(map(_DEVICE, grads))) == 1
+            if one_device:
+                key = (grads[0].device, dtypes.pop())
+                plan = GradPlan(dense={key: grads})
+                if key[1] == torch.float16:
+                    plan.low_precision = list(iter_params(optimizer))
+                return plan
+    return _build_plan_slow(optimizer)
+
+
+def _build_plan_slow(optimizer: torch.optim.Optimizer) -> GradPlan:
+    plan = GradPlan()
+    for ref in iter_params(optimizer):
+        grad = ref.param.grad
+        if grad is None:
+            plan.missing.append(ref)
+            continue
+        if grad.dtype == torch.float16:
+            plan.low_precision.append(ref)
+        if grad.is_sparse:
+            plan.sparse.append(ref)
+        else:
+            plan.dense.setdefault((grad.device, grad.dtype), []).append(grad)
+    return plan

@@ -1,0 +1,1 @@
+"""Dynamic loss scaling: settings, the update rule, the iteration protocol and the GradScaler."""

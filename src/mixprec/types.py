@@ -1,0 +1,31 @@
+"""The value types mixprec returns, for type annotations and ``isinstance`` checks.
+
+Users rarely build these themselves: ``GradScaler.stats()`` returns a :class:`ScalerStats`,
+``autocast(..., report=True)`` a :class:`DtypeReport`, and so on. Every one is immutable or a
+read-only view.
+"""
+
+from __future__ import annotations
+
+from mixprec._src.anomaly import NonFiniteFinder, NonFiniteReport
+from mixprec._src.autocast.report import DtypeReport, ReportRow
+from mixprec._src.autocast.table import PolicyTable, PolicyTableRow
+from mixprec._src.kernels.flat import FlatGrads
+from mixprec._src.scaling.diagnostics import Diagnosis
+from mixprec._src.scaling.phases import OptState
+from mixprec._src.scaling.telemetry import HistoryEntry, ScalerStats, UpdateEvent
+
+__all__ = [
+    "Diagnosis",
+    "DtypeReport",
+    "FlatGrads",
+    "HistoryEntry",
+    "NonFiniteFinder",
+    "NonFiniteReport",
+    "OptState",
+    "PolicyTable",
+    "PolicyTableRow",
+    "ReportRow",
+    "ScalerStats",
+    "UpdateEvent",
+]
