@@ -1,4 +1,4 @@
-"""The typical mixed-precision training loop (the seed's "Typical use").
+"""The typical mixed-precision training loop (the "Typical use" of the torch.cuda.amp 1.5 docs).
 
 autocast runs the forward pass in float16 (or bfloat16), GradScaler scales the loss so that small
 float16 gradients do not flush to zero, unscales them before the optimizer step, skips the step

@@ -1,5 +1,5 @@
 """The constructor's two call forms: torch 2's ``GradScaler(device, init_scale, ...)`` and the
-seed's ``GradScaler(init_scale, growth_factor, ...)`` (torch.cuda.amp's, no device)."""
+torch.cuda.amp 1.5's ``GradScaler(init_scale, growth_factor, ...)`` (no device)."""
 
 from __future__ import annotations
 
@@ -54,7 +54,7 @@ _SEED_SIGNATURE = inspect.signature(_seed_form)
 def bind_constructor_args(args: tuple[Any, ...], kwargs: dict[str, Any]) -> dict[str, Any]:
     """Every constructor argument by name, whichever form was used.
 
-    A number as the first positional argument selects the seed form.
+    A number as the first positional argument selects torch.cuda.amp's form.
 
     Raises:
         TypeError: unknown or repeated arguments (as Python would).

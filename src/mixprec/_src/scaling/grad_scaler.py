@@ -53,7 +53,7 @@ class GradScaler(ClippingMixin, ScalerSignals):
     """Dynamic loss scaling, a drop-in for ``torch.amp.GradScaler`` on every device.
 
     Both call forms work: torch 2's ``GradScaler("cuda", init_scale, growth_factor,
-    backoff_factor, growth_interval, enabled)`` and the seed's (torch.cuda.amp's)
+    backoff_factor, growth_interval, enabled)`` and torch.cuda.amp 1.5's
     ``GradScaler(init_scale, growth_factor, backoff_factor, growth_interval, enabled)``. The scale
     lives on the device of the first tensor passed to :meth:`scale`, whatever ``device`` says, so
     a scaler never disables itself: ``GradScaler("cuda")`` on a machine without CUDA scales the
@@ -305,9 +305,9 @@ class GradScaler(ClippingMixin, ScalerSignals):
         """End the iteration: back off after an overflow, grow after enough clean iterations.
 
         ``new_scale`` may be a float/int or a 1-element tensor to set the scale directly (the
-        growth counter is kept), or, as the second seed documents, the optimizer that stepped
-        this iteration: ``update(optimizer)`` is ``update()`` after checking that this
-        optimizer was unscaled or stepped since the last update.
+        growth counter is kept), or, as some pages on ``GradScaler.update`` write it, the
+        optimizer that stepped this iteration: ``update(optimizer)`` is ``update()`` after
+        checking that this optimizer was unscaled or stepped since the last update.
 
         Raises:
             MissingGradError: nothing was unscaled or stepped since the last update.

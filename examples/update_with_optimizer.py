@@ -1,11 +1,11 @@
-"""The second seed document's three examples, with ``scaler.update(optimizer)``.
+"""Three training loops that call ``scaler.update(optimizer)``.
 
-The seed (a page on ``GradScaler.update``) calls ``scaler.update(optimizer)``, a form
-torch.cuda.amp never accepted. mixprec accepts it: it is ``update()`` after checking that this
-optimizer was stepped (or unscaled) in this iteration. The seed used ``torch.cuda.amp``; here the
-imports change to mixprec, and the examples run on the CPU as well (real float16 autocast).
+Some pages on ``GradScaler.update`` write ``scaler.update(optimizer)``, a form torch.cuda.amp
+never accepted. mixprec accepts it: it is ``update()`` after checking that this optimizer was
+stepped (or unscaled) in this iteration. Those pages used ``torch.cuda.amp``; here the imports
+change to mixprec, and the loops run on the CPU as well (real float16 autocast).
 
-    python examples/seed_update_optimizer.py
+    python examples/update_with_optimizer.py
 """
 
 from __future__ import annotations
