@@ -9,8 +9,11 @@ Rules change the arithmetic (an fp32 LayerNorm costs more than a bf16 one), so e
 configuration is also compared with a hand-written native equivalent doing the same arithmetic
 (``torch.autocast(enabled=False)`` plus casts inside the module), which isolates mixprec's own cost.
 
+``--construction`` measures instead what a training loop pays to build a policy (and a region
+with it) every step, against entering and leaving a ``torch.autocast``, side by side.
+
 Run: ``python benchmarks/bench_autocast.py [--rounds 200] [--iters 10] [--size tiny|medium]
-[--device cpu|cuda] [--dtype bf16|fp16]``.
+[--device cpu|cuda] [--dtype bf16|fp16] [--construction]``.
 """
 
 from __future__ import annotations
@@ -157,6 +160,70 @@ def report(times: dict[str, list[float]]) -> None:
         print(line)
 
 
+def construction_cases() -> dict[str, Callable[[], Any]]:
+    """Per-step construction: policies built from literals, and regions built with them."""
+
+    def native() -> None:
+        region = torch.autocast(DEVICE, dtype=DTYPE)
+        region.__enter__()
+        region.__exit__(None, None, None)
+
+    many = {
+        nn.LayerNorm: "fp32",
+        "enc.*.attn": torch.bfloat16,
+        "router": "keep",
+        nn.Embedding: "fp32",
+    }
+    return {
+        "torch.autocast enter+exit (reference)": native,
+        "Policy(modules={nn.LayerNorm: 'fp32'})": lambda: mixprec.Policy(
+            modules={nn.LayerNorm: "fp32"}
+        ),
+        "Policy(ops={F.gelu: 'fp32'})": lambda: mixprec.Policy(ops={F.gelu: "fp32"}),
+        "Policy('nn.LayerNorm=fp32, F.gelu=fp32')": lambda: mixprec.Policy(
+            "nn.LayerNorm=fp32, F.gelu=fp32"
+        ),
+        "Policy(4 module rules, 2 op rules)": lambda: mixprec.Policy(
+            modules=many, ops={F.softmax: "fp32", "aten::gelu": "low"}
+        ),
+        "autocast(policy=Policy(...)) built": lambda: mixprec.autocast(
+            DEVICE, DTYPE, policy=mixprec.Policy(modules={nn.LayerNorm: "fp32"})
+        ),
+        "autocast(policy='nn.LayerNorm=fp32') built": lambda: mixprec.autocast(
+            DEVICE, DTYPE, policy="nn.LayerNorm=fp32"
+        ),
+    }
+
+
+def measure_calls(
+    cases: dict[str, Callable[[], Any]], rounds: int, calls: int
+) -> dict[str, list[float]]:
+    """Microseconds per call, per round; each round runs every case in a shuffled order."""
+    for fn in cases.values():
+        for _ in range(calls):
+            fn()
+    times: dict[str, list[float]] = {name: [] for name in cases}
+    order = list(cases)
+    rng = random.Random(0)
+    for _ in range(rounds):
+        rng.shuffle(order)
+        for name in order:
+            fn = cases[name]
+            start = time.perf_counter()
+            for _ in range(calls):
+                fn()
+            times[name].append((time.perf_counter() - start) / calls * 1e6)
+    return times
+
+
+def report_calls(times: dict[str, list[float]]) -> None:
+    base = next(iter(times.values()))
+    print(f"{'per-step construction':45s} {'median us':>10s} {'paired ratio':>13s}")
+    for name, samples in times.items():
+        paired = statistics.median(s / b for s, b in zip(samples, base, strict=True))
+        print(f"{name:45s} {statistics.median(samples):10.2f} {paired:13.3f}")
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__)
     parser.add_argument("--rounds", type=int, default=200)
@@ -165,11 +232,16 @@ def main() -> None:
     parser.add_argument("--threads", type=int, default=1)
     parser.add_argument("--device", default="cpu")
     parser.add_argument("--dtype", choices=["bf16", "fp16"], default="bf16")
+    parser.add_argument("--construction", action="store_true", help="per-step construction cost")
     args = parser.parse_args()
     global DEVICE, DTYPE
     DEVICE = args.device
     DTYPE = torch.bfloat16 if args.dtype == "bf16" else torch.float16
     torch.set_num_threads(args.threads)
+    if args.construction:
+        print(f"torch {torch.__version__}, {args.rounds} rounds x 300 calls, device={DEVICE}")
+        report_calls(measure_calls(construction_cases(), args.rounds, 300))
+        return
     batch, d_in, d = (16, 32, 64) if args.size == "tiny" else (128, 256, 1024)
     x = torch.randn(batch, d_in, device=DEVICE)
     y = torch.randint(0, 10, (batch,), device=DEVICE)

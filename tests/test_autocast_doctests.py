@@ -19,6 +19,7 @@ MODULES = [
     "mixprec._src.autocast._devices",
     "mixprec._src.autocast._modules",
     "mixprec._src.autocast._ops",
+    "mixprec._src.autocast._targets",
     "mixprec._src.autocast.custom",
     "mixprec._src.autocast.native",
     "mixprec._src.autocast.policy",

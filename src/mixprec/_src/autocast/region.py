@@ -17,7 +17,7 @@ from mixprec._src.autocast._modules import (
     release_global_hooks,
 )
 from mixprec._src.autocast._ops import OpRuleMode
-from mixprec._src.autocast.policy import Policy, intern_policy
+from mixprec._src.autocast.policy import Policy, coerce_policy
 from mixprec._src.autocast.report import DtypeReport
 from mixprec.errors import ConfigError
 
@@ -29,23 +29,6 @@ def _check_bool(name: str, value: object, allow_none: bool = False) -> None:
         return
     accepted = "True, False or None" if allow_none else "True or False"
     raise ConfigError(f"{name} must be {accepted}, got {value!r}")
-
-
-@functools.lru_cache(maxsize=64)
-def _parse_policy(spec: str) -> Policy:
-    return Policy(spec)
-
-
-def _coerce_policy(policy: object) -> Policy | None:
-    if policy is None:
-        return None
-    if isinstance(policy, Policy):
-        return intern_policy(policy)
-    if isinstance(policy, str):
-        return intern_policy(_parse_policy(policy))
-    raise ConfigError(
-        f"policy must be a mixprec.Policy, a policy string or None, got {type(policy).__name__}"
-    )
 
 
 _COMPILE_MSG = (
@@ -169,7 +152,7 @@ class autocast:
         self.fast_dtype = resolve_low_dtype(dtype)
         self.enabled = enabled
         self.cache_enabled = cache_enabled
-        self.policy = _coerce_policy(policy)
+        self.policy = coerce_policy(policy)
         self.report: DtypeReport | None = DtypeReport() if report else None
         # One entry per active ``__enter__`` (re-entrant); like torch.autocast, one instance must
         # not be entered from two threads at once (the decorator form makes a fresh one per call).
@@ -273,7 +256,9 @@ class autocast:
         policy = frame.policy
         strict = clean and policy is not None and policy is self.policy and policy.strict
         if strict and policy is not None and policy.name_rules and frame.names_seen:
-            policy.check_names(sorted(frame.names_seen), frame.names_seen)
+            error = policy._unmatched_error(sorted(frame.names_seen), "that ran in the region")
+            if error is not None:
+                raise error
 
     def __call__(self, func: F) -> F:
         """Use the region as a decorator: each call enters a fresh region with these settings.

@@ -1,7 +1,15 @@
-"""One precision rule: what compute dtype a module or op gets, and how its output is cast."""
+"""One precision rule: what a module or op computes in, and how its output is cast.
+
+A rule is a value: ``Rule("fp32", output="input")``, or in its string form ``"fp32@input"``.
+The compute part is a *kind* word, optionally with a recipe (``"kind:recipe"``), or a
+low-precision dtype. The kinds live in one table, :data:`KINDS`, which says where each kind is
+accepted (module rules, op rules) and which recipes it takes; a new kind with recipes is one
+entry there plus the code that applies it.
+"""
 
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass
 
 import torch
@@ -9,7 +17,39 @@ import torch
 from mixprec._src.autocast._devices import LOW_PRECISION_DTYPES
 from mixprec.errors import ConfigError
 
-_COMPUTE_WORDS = ("fp32", "low", "keep", "promote")
+
+@dataclass(frozen=True)
+class ComputeKind:
+    """What one compute word means for the parser and the policy.
+
+    Attributes:
+        word: the word as written and printed (``"fp32"``).
+        modules: accepted as a module rule.
+        ops: accepted as an op rule.
+        recipes: the recipes accepted after ``"word:"``; the first is the default, used when
+            none is written (and then not printed). Empty: the word takes no recipe.
+
+    Host sync: none.
+    """
+
+    word: str
+    modules: bool = True
+    ops: bool = True
+    recipes: tuple[str, ...] = ()
+
+
+#: Every compute kind, by word. Low-precision dtypes (``"bf16"``, ``torch.float16``) are rules
+#: too; they are not kinds.
+KINDS: dict[str, ComputeKind] = {
+    k.word: k
+    for k in (
+        ComputeKind("fp32"),  # inputs cast to fp32, autocast off inside
+        ComputeKind("low"),  # the region's low-precision dtype
+        ComputeKind("keep"),  # autocast off, no casts
+        ComputeKind("promote", modules=False),  # ops: the widest floating input dtype
+    )
+}
+
 _DTYPE_WORDS: dict[str, torch.dtype] = {
     "fp16": torch.float16,
     "float16": torch.float16,
@@ -18,12 +58,7 @@ _DTYPE_WORDS: dict[str, torch.dtype] = {
     "bfloat16": torch.bfloat16,
 }
 _FP32_WORDS = ("fp32", "float32", "float")
-_ACCEPTED_COMPUTE = (
-    '"fp32", "low" (the region\'s dtype), "keep", "promote", torch.float16 / "fp16", '
-    'torch.bfloat16 / "bf16"'
-)
 _ACCEPTED_OUTPUT = 'None, "input", "fp32", "low", torch.float32, torch.float16, torch.bfloat16'
-
 _SHORT = {torch.float16: "fp16", torch.bfloat16: "bf16", torch.float32: "fp32"}
 
 
@@ -40,21 +75,68 @@ def format_dtype(dtype: torch.dtype) -> str:
     return _SHORT.get(dtype, str(dtype).removeprefix("torch."))
 
 
-def _parse_compute(value: object) -> str | torch.dtype:
-    if isinstance(value, torch.dtype):
-        if value == torch.float32:
-            return "fp32"
-        if value in LOW_PRECISION_DTYPES:
-            return value
+def accepted_compute(target: str | None = None) -> str:
+    """The compute rules accepted for ``target`` (``"modules"``, ``"ops"`` or both), for messages.
+
+    Example:
+        >>> '"promote"' in accepted_compute("ops"), '"promote"' in accepted_compute("modules")
+        (True, False)
+
+    Host sync: none.
+    """
+    words = []
+    for kind in KINDS.values():
+        if target is None or getattr(kind, target):
+            text = f'"{kind.word}"' + (" (the region's dtype)" if kind.word == "low" else "")
+            if kind.recipes:
+                text += " (" + ", ".join(f'"{kind.word}:{r}"' for r in kind.recipes) + ")"
+            words.append(text)
+    return ", ".join([*words, 'torch.float16 / "fp16"', 'torch.bfloat16 / "bf16"'])
+
+
+@functools.lru_cache(maxsize=256)
+def _parse_word(text: str) -> tuple[str | torch.dtype, str | None]:
+    """``"kind[:recipe]"`` or a dtype word -> (word or dtype, the recipe as written or None)."""
+    word, sep, recipe = text.strip().lower().partition(":")
+    word = "fp32" if word.strip() in _FP32_WORDS else word.strip()
+    if word not in KINDS:
+        if word in _DTYPE_WORDS and not sep:
+            return _DTYPE_WORDS[word], None
+        raise ConfigError(f"unknown precision rule {text!r}; accepted: {accepted_compute()}")
+    if sep and not recipe.strip():
+        raise ConfigError(f"precision rule {text!r} has an empty recipe after ':'")
+    return word, recipe.strip() or None
+
+
+def _parse_compute(value: object, recipe: object) -> tuple[str | torch.dtype, str | None]:
+    """The compute word (or dtype) and its recipe: written, given as ``recipe=``, or the default."""
+    if isinstance(value, torch.dtype) and value == torch.float32:
+        value = "fp32"
+    word: str | torch.dtype
+    if isinstance(value, torch.dtype) and value in LOW_PRECISION_DTYPES:
+        word, written = value, None
     elif isinstance(value, str):
-        word = value.strip().lower()
-        if word in _FP32_WORDS:
-            return "fp32"
-        if word in _COMPUTE_WORDS:
-            return word
-        if word in _DTYPE_WORDS:
-            return _DTYPE_WORDS[word]
-    raise ConfigError(f"unknown precision rule {value!r}; accepted: {_ACCEPTED_COMPUTE}")
+        word, written = _parse_word(value)
+    else:
+        raise ConfigError(f"unknown precision rule {value!r}; accepted: {accepted_compute()}")
+    if recipe is not None and not isinstance(recipe, str):
+        raise ConfigError(f"recipe must be a string or None, got {recipe!r}")
+    if written is not None and recipe is not None and written != recipe.strip().lower():
+        raise ConfigError(f"rule {value!r} names recipe {written!r} but recipe={recipe!r}")
+    chosen = written or (recipe.strip().lower() if recipe is not None else None)
+    kind = KINDS.get(word) if isinstance(word, str) else None
+    if kind is None or not kind.recipes:
+        if chosen is not None:
+            raise ConfigError(f"precision rule {value!r} takes no recipe (got {chosen!r})")
+        return word, None
+    if chosen is None:
+        return word, kind.recipes[0]
+    if chosen not in kind.recipes:
+        raise ConfigError(
+            f"unknown recipe {chosen!r} for {word!r}; accepted: "
+            + ", ".join(f'"{word}:{r}"' for r in kind.recipes)
+        )
+    return word, chosen
 
 
 def _parse_output(value: object) -> str | torch.dtype | None:
@@ -75,14 +157,22 @@ def _parse_output(value: object) -> str | torch.dtype | None:
 
 @dataclass(frozen=True, init=False)
 class Rule:
-    """A precision rule for a module or an op.
+    """A precision rule for a module or an op: an immutable, hashable value.
 
     Args:
         compute: ``"fp32"`` (inputs cast up, autocast off inside), ``"low"`` (the region's
             low-precision dtype), ``"keep"`` (autocast off, no casts), ``"promote"`` (ops only: the
-            widest floating input dtype) or a low-precision torch dtype.
+            widest floating input dtype) or a low-precision torch dtype. The string form
+            ``"compute@output"`` is accepted too (``Rule(str(rule)) == rule``).
         output: optional cast of the result: ``None`` (no cast), ``"input"`` (the dtype of the
             first floating input), ``"low"`` (the region's dtype) or a floating torch dtype.
+        recipe: the recipe of a compute kind that takes one, as ``"kind:recipe"`` would give it
+            (no kind takes one today; the default recipe is used when none is given).
+
+    Attributes:
+        compute: the compute word (``"fp32"``, ...) or a low-precision dtype.
+        recipe: the recipe of a compute kind that takes one (``"kind:recipe"``), else None.
+        output: the output cast, or None.
 
     Example:
         >>> import torch
@@ -91,18 +181,33 @@ class Rule:
         Rule('fp32', output='input')
         >>> Rule(torch.bfloat16).compute
         torch.bfloat16
+        >>> Rule("fp32@input") == Rule("fp32", output="input")
+        True
 
     Raises:
-        ConfigError: an unknown compute rule or output cast; the message lists what is accepted.
+        ConfigError: an unknown compute rule, recipe or output cast; the message lists what is
+            accepted.
 
     Host sync: none.
     """
 
     compute: str | torch.dtype
     output: str | torch.dtype | None
+    recipe: str | None
 
-    def __init__(self, compute: object, output: object = None) -> None:
-        object.__setattr__(self, "compute", _parse_compute(compute))
+    def __init__(
+        self, compute: object, output: object = None, *, recipe: str | None = None
+    ) -> None:
+        if isinstance(compute, str) and "@" in compute:
+            compute, _, written = compute.partition("@")
+            if output is not None:
+                raise ConfigError(
+                    f"rule {compute}@{written} gives the output cast twice (also output={output!r})"
+                )
+            output = written.strip() or None
+        word, chosen = _parse_compute(compute, recipe)
+        object.__setattr__(self, "compute", word)
+        object.__setattr__(self, "recipe", chosen)
         object.__setattr__(self, "output", _parse_output(output))
 
     @classmethod
@@ -115,17 +220,47 @@ class Rule:
 
         Host sync: none.
         """
-        return value if isinstance(value, Rule) else cls(value)
+        if isinstance(value, Rule):
+            return value
+        try:
+            return _cached_rule(value)  # rules are values: equal inputs share one instance
+        except TypeError:  # unhashable: let the constructor say what is wrong
+            return cls(value)
+
+    @property
+    def kind(self) -> ComputeKind | None:
+        """The :class:`ComputeKind` of the compute word (None for a dtype rule). Host sync: none."""
+        return KINDS.get(self.compute) if isinstance(self.compute, str) else None
+
+    def accepted_for(self, target: str) -> bool:
+        """Whether this rule may be given to ``"modules"`` or ``"ops"``.
+
+        Example:
+            >>> Rule("promote").accepted_for("modules")
+            False
+
+        Host sync: none.
+        """
+        kind = self.kind
+        return kind is None or bool(getattr(kind, target))
+
+    def _compute_text(self) -> str:
+        if not isinstance(self.compute, str):
+            return format_dtype(self.compute)
+        kind = self.kind
+        if self.recipe is None or (kind is not None and self.recipe == kind.recipes[0]):
+            return self.compute
+        return f"{self.compute}:{self.recipe}"
 
     def __str__(self) -> str:
-        text = self.compute if isinstance(self.compute, str) else format_dtype(self.compute)
+        text = self._compute_text()
         if self.output is not None:
             out = self.output if isinstance(self.output, str) else format_dtype(self.output)
             text += f"@{out}"
         return text
 
     def __repr__(self) -> str:
-        comp = self.compute if isinstance(self.compute, str) else format_dtype(self.compute)
+        comp = self._compute_text()
         if self.output is None:
             return f"Rule({comp!r})"
         out = self.output if isinstance(self.output, str) else format_dtype(self.output)
@@ -158,6 +293,11 @@ class Rule:
         if self.output is None or isinstance(self.output, torch.dtype):
             return self.output
         return low if self.output == "low" else input_dtype
+
+
+@functools.lru_cache(maxsize=256)
+def _cached_rule(value: object) -> Rule:
+    return Rule(value)
 
 
 RuleLike = Rule | str | torch.dtype

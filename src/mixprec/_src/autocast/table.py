@@ -7,8 +7,9 @@ from typing import NamedTuple
 from torch import nn
 
 from mixprec._src.autocast._devices import resolve_device_type
+from mixprec._src.autocast._targets import class_label
 from mixprec._src.autocast.native import native_op_table
-from mixprec._src.autocast.policy import Policy, _class_label
+from mixprec._src.autocast.policy import Policy, coerce_policy
 
 
 class PolicyTableRow(NamedTuple):
@@ -66,7 +67,7 @@ def _module_rows(policy: Policy, model: nn.Module | None) -> list[PolicyTableRow
             for name, rule in policy.resolve(model).items()
         ]
     rows = [
-        PolicyTableRow("module", _class_label(cls), "-", str(rule), str(rule))
+        PolicyTableRow("module", class_label(cls), "-", str(rule), str(rule))
         for cls, rule in policy.class_rules.items()
     ]
     rows += [
@@ -77,13 +78,16 @@ def _module_rows(policy: Policy, model: nn.Module | None) -> list[PolicyTableRow
 
 
 def policy_table(
-    device_type: str | None = None, policy: Policy | None = None, model: nn.Module | None = None
+    device_type: str | None = None,
+    policy: Policy | str | None = None,
+    model: nn.Module | None = None,
 ) -> PolicyTable:
     """The effective autocast policy for a device, without running anything.
 
     Native op policies come from the installed torch's dispatcher (see :mod:`.native`); user op
     rules override them by Python name; module rules are listed, or resolved to qualified names
-    over ``model`` when one is given.
+    over ``model`` when one is given. ``policy`` is a :class:`~mixprec.Policy` or its string form,
+    as everywhere else.
 
     Example:
         >>> import mixprec
@@ -92,10 +96,17 @@ def policy_table(
         'lower_precision_fp'
         >>> [r.effective for r in t.rows if r.target == "F.softmax"]
         ['fp32']
+        >>> [r.effective for r in mixprec.policy_table("cpu", "nn.Linear=fp32").rows][-1]
+        'fp32'
+
+    Raises:
+        ConfigError: an unknown device type, a policy that is neither a Policy, a string nor
+            None, or (with a strict policy and a model) a name glob that matches no module.
 
     Host sync: none.
     """
     dev = resolve_device_type(device_type)
+    policy = coerce_policy(policy)
     rows = _op_rows(dev, policy)
     if policy is not None:
         rows += _module_rows(policy, model)

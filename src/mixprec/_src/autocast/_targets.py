@@ -1,0 +1,232 @@
+"""Policy targets: which module class, name glob or torch function a rule key names.
+
+One resolver for every way a target is written (a class, a function, ``"nn.LayerNorm"``,
+``"torch.nn.functional.softmax"``, ``"aten::gelu"``, a glob), shared by the string form and the
+``modules=``/``ops=`` mappings, so the same words mean the same thing everywhere and a target
+given in the wrong place is refused with a message saying where it goes.
+"""
+
+from __future__ import annotations
+
+import difflib
+import functools
+from collections.abc import Callable
+from typing import Any, NamedTuple
+
+import torch
+from torch import nn
+
+from mixprec._src.autocast.rules import Rule
+from mixprec.errors import ConfigError
+
+_NAMESPACES: tuple[tuple[str, Any], ...] = (
+    ("F", torch.nn.functional),
+    ("torch", torch),
+    ("Tensor", torch.Tensor),
+    ("torch.linalg", torch.linalg),
+    ("torch.special", torch.special),
+    ("torch.fft", torch.fft),
+)
+# Roots of the dotted names a policy string may use for torch classes and functions.
+_ROOTS: dict[str, Any] = {
+    "torch": torch,
+    "nn": nn,
+    "F": torch.nn.functional,
+    "Tensor": torch.Tensor,
+}
+_OP_FORMS = (
+    "a torch function (torch.matmul, torch.nn.functional.softmax, torch.Tensor.softmax, ...), "
+    "or a string 'aten::gelu', 'F.softmax', 'torch.nn.functional.softmax', 'Tensor.softmax'"
+)
+_MODULE_FORMS = (
+    "an nn.Module subclass (nn.LayerNorm, or the string 'nn.LayerNorm'), or a qualified-name "
+    "glob string ('encoder.*.attn')"
+)
+
+
+@functools.cache
+def python_op_names() -> frozenset[str]:
+    names: set[str] = set()
+    for _, ns in _NAMESPACES:
+        names.update(n for n in dir(ns) if not n.startswith("__") and callable(getattr(ns, n)))
+    return frozenset(names)
+
+
+class OpRule(NamedTuple):
+    """An op rule after validation: the Python name it matches, how it was written, its rule.
+
+    Example:
+        >>> import torch
+        >>> from mixprec import Policy
+        >>> Policy(ops={torch.matmul: "fp32"}).op_rules[0].name
+        'matmul'
+
+    Host sync: none.
+    """
+
+    name: str
+    label: str
+    rule: Rule
+
+    def __repr__(self) -> str:
+        return f"OpRule({self.label}={self.rule})"
+
+
+def _unknown_op(text: str) -> ConfigError:
+    close = difflib.get_close_matches(text.split("::")[-1].split(".")[-1], python_op_names(), 5)
+    hint = f"; did you mean {', '.join(close)}?" if close else ""
+    return ConfigError(f"op rule names an unknown op {text!r}{hint}. Accepted: {_OP_FORMS}")
+
+
+def _label_of_callable(fn: Callable[..., Any]) -> tuple[str, str]:
+    name = getattr(fn, "__name__", None)
+    if isinstance(name, str):
+        for prefix, ns in _NAMESPACES:
+            if getattr(ns, name, None) is fn:
+                return name, f"{prefix}.{name}"
+    raise ConfigError(
+        f"op rule names {fn!r}, which is not a torch function mixprec can intercept. "
+        f"Accepted: {_OP_FORMS}. For your own functions use mixprec.custom_fwd(cast_inputs=...)."
+    )
+
+
+def _lookup_dotted(text: str) -> object:
+    """The torch object a dotted name (``nn.LayerNorm``, ``torch.nn.functional.softmax``) names,
+    or None when the name does not start with a torch root or names nothing."""
+    root, _, rest = text.partition(".")
+    obj = _ROOTS.get(root)
+    if obj is None or not rest:
+        return None
+    for part in rest.split("."):
+        obj = getattr(obj, part, None)
+        if obj is None:
+            return None
+    return obj
+
+
+def spelled_op(name: str) -> str:
+    """How to write the op rule for a Python op name (``"softmax"`` -> ``"F.softmax"``)."""
+    for prefix, ns in _NAMESPACES:
+        if callable(getattr(ns, name, None)):
+            return f"{prefix}.{name}"
+    return f"torch.{name}"
+
+
+def _is_module_class(obj: object) -> bool:
+    return isinstance(obj, type) and issubclass(obj, nn.Module)
+
+
+@functools.lru_cache(maxsize=512)
+def _resolve_string(text: str) -> tuple[str, object]:
+    """Classify one target string: ``("op", (name, label))``, ``("class", cls)`` or
+    ``("glob", text)``; raise for a torch name that is neither a class nor a function."""
+    if text.startswith("aten::"):
+        base = text[len("aten::") :].split(".", 1)[0]
+        if not base or not hasattr(torch.ops.aten, base):
+            raise _unknown_op(text)
+        if base not in python_op_names():
+            raise ConfigError(
+                f"op rule {text!r}: aten::{base} exists but has no public Python function "
+                f"mixprec can intercept; name the public function instead. Accepted: {_OP_FORMS}"
+            )
+        return "op", (base, f"aten::{base}")
+    if text.partition(".")[0] not in _ROOTS or "." not in text:
+        return "glob", text
+    obj = _lookup_dotted(text)
+    if _is_module_class(obj):
+        return "class", obj
+    if callable(obj) and not isinstance(obj, type):
+        return "op", _label_of_callable(obj)
+    if text.startswith(("nn.", "torch.nn.")) and obj is None:
+        raise ConfigError(
+            f"module rule names {text!r}, which is not an nn.Module class in torch.nn. "
+            f"Accepted: {_MODULE_FORMS}"
+        )
+    if obj is None:
+        raise _unknown_op(text)
+    raise ConfigError(
+        f"{text!r} names a {type(obj).__name__}, neither an nn.Module class nor a torch "
+        f"function. Module rules accept {_MODULE_FORMS}; op rules accept {_OP_FORMS}"
+    )
+
+
+def resolve_op(key: object) -> tuple[str, str]:
+    """``(python name, label)`` of an op rule key, or a ConfigError that says how to write it.
+
+    Example:
+        >>> resolve_op("torch.nn.functional.softmax"), resolve_op(torch.Tensor.exp)
+        (('softmax', 'F.softmax'), ('exp', 'Tensor.exp'))
+
+    Host sync: none.
+    """
+    if isinstance(key, str):
+        kind, value = _resolve_string(key.strip())
+        if kind == "op":
+            return value  # type: ignore[return-value]
+        if kind == "class":
+            raise ConfigError(
+                f"op rule {key!r} names a module class; module rules go in "
+                f"modules={{{key!r}: ...}} (or the string form '{key}=rule')"
+            )
+        raise _unknown_op(key)
+    if _is_module_class(key):
+        raise ConfigError(
+            f"op rule key {key!r} is a module class; module rules go in modules={{...}}"
+        )
+    if callable(key):
+        return _label_of_callable(key)
+    raise ConfigError(f"op rule key {key!r} has type {type(key).__name__}. Accepted: {_OP_FORMS}")
+
+
+def resolve_module(key: object) -> type[nn.Module] | str:
+    """A module rule key as a class or a glob, or a ConfigError that says how to write it.
+
+    Example:
+        >>> resolve_module("torch.nn.LayerNorm"), resolve_module("encoder.*.attn")
+        (<class 'torch.nn.modules.normalization.LayerNorm'>, 'encoder.*.attn')
+
+    Host sync: none.
+    """
+    if _is_module_class(key):
+        return key  # type: ignore[return-value]
+    if isinstance(key, str) and key.strip():
+        kind, value = _resolve_string(key.strip())
+        if kind == "op":
+            raise ConfigError(
+                f"module rule {key!r} names a function, not a module; op rules go in "
+                f"ops={{{key!r}: ...}} (the string form '{key}=rule' is read as an op rule)"
+            )
+        return value  # type: ignore[return-value]
+    if callable(key) and not isinstance(key, type):
+        raise ConfigError(
+            f"module rule key {key!r} is a function; op rules go in ops={{...}}. "
+            f"Module rules accept {_MODULE_FORMS}"
+        )
+    raise ConfigError(f"module rule key {key!r} is not accepted. Accepted: {_MODULE_FORMS}")
+
+
+@functools.lru_cache(maxsize=128)
+def parse_spec(spec: str) -> tuple[tuple[bool, object, Rule], ...]:
+    """Parse ``"nn.LayerNorm=fp32, encoder.*.attn=bf16, F.gelu=low@input"`` into
+    ``(is_op, key, rule)`` entries; function names are op rules, classes and globs module rules."""
+    entries: list[tuple[bool, object, Rule]] = []
+    for raw in spec.replace(";", ",").replace("\n", ",").split(","):
+        item = raw.strip()
+        if not item:
+            continue
+        target, sep, rule_text = item.rpartition("=")
+        target = target.strip()
+        if not sep or not target:
+            raise ConfigError(
+                f"policy entry {item!r} is not 'target=rule'; example: "
+                "'nn.LayerNorm=fp32, encoder.*.attn=bf16, router=keep, F.gelu=low@input'"
+            )
+        kind, value = _resolve_string(target)
+        entries.append((kind == "op", target if kind == "op" else value, Rule(rule_text)))
+    return tuple(entries)
+
+
+def class_label(cls: type) -> str:
+    if getattr(nn, cls.__name__, None) is cls:
+        return f"nn.{cls.__name__}"
+    return f"{cls.__module__}.{cls.__qualname__}"
