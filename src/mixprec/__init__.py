@@ -12,6 +12,7 @@ logging; never imported by ``import mixprec``). Everything under ``mixprec._src`
 from __future__ import annotations
 
 from mixprec import distributed, errors, types
+from mixprec._src.advisor.api import advise
 from mixprec._src.anomaly import find_nonfinite
 from mixprec._src.autocast.custom import custom_bwd, custom_fwd
 from mixprec._src.autocast.policy import Policy
@@ -36,6 +37,7 @@ __all__ = [
     "Rule",
     "ScalerConfig",
     "__version__",
+    "advise",
     "autocast",
     "custom_bwd",
     "custom_fwd",

@@ -7,6 +7,7 @@ read-only view.
 
 from __future__ import annotations
 
+from mixprec._src.advisor.report import Advice, Fp16Range, Measurement, ModuleAdvice
 from mixprec._src.anomaly import NonFiniteFinder, NonFiniteReport
 from mixprec._src.autocast.report import DtypeReport, ReportRow
 from mixprec._src.autocast.table import PolicyTable, PolicyTableRow
@@ -16,10 +17,14 @@ from mixprec._src.scaling.phases import OptState
 from mixprec._src.scaling.telemetry import HistoryEntry, ScalerStats, UpdateEvent
 
 __all__ = [
+    "Advice",
     "Diagnosis",
     "DtypeReport",
     "FlatGrads",
+    "Fp16Range",
     "HistoryEntry",
+    "Measurement",
+    "ModuleAdvice",
     "NonFiniteFinder",
     "NonFiniteReport",
     "OptState",

@@ -1,4 +1,4 @@
-"""The ``mixprec`` command line: ``mixprec demo`` (also ``python -m mixprec demo``)."""
+"""The ``mixprec`` command line: ``mixprec demo``, ``mixprec advise`` (or ``python -m mixprec``)."""
 
 from __future__ import annotations
 
@@ -12,13 +12,14 @@ __all__ = ["main"]
 
 
 def _parser() -> argparse.ArgumentParser:
-    from mixprec.cli import demo
+    from mixprec.cli import advise, demo
 
     parser = argparse.ArgumentParser(
         prog="mixprec", description="mixprec: automatic mixed precision for PyTorch."
     )
     sub = parser.add_subparsers(dest="command", metavar="COMMAND")
     demo.add_parser(sub)
+    advise.add_parser(sub)
     return parser
 
 

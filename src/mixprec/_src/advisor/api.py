@@ -1,0 +1,232 @@
+"""``mixprec.advise``: measure every module in every candidate precision, propose the policy."""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Callable, Sequence
+from typing import Any
+
+import torch
+from torch import nn
+
+from mixprec._src.advisor import measure
+from mixprec._src.advisor.candidates import Candidate, high_word, parse_candidates, region_dtype
+from mixprec._src.advisor.engine import Engine, Job, Progress, Target, propose_scale
+from mixprec._src.advisor.propose import Choice, Option, Proposal, build_policy, search
+from mixprec._src.advisor.report import Advice, Fp16Range, Measurement, ModuleAdvice
+from mixprec._src.advisor.select import select
+from mixprec._src.advisor.state import Guard
+from mixprec._src.autocast.rules import format_dtype
+from mixprec.errors import ConfigError
+
+LossFn = Callable[[nn.Module, Any], torch.Tensor]
+
+
+def advise(
+    model: nn.Module,
+    batch: Any,
+    loss_fn: LossFn,
+    *,
+    candidates: Sequence[str] | str | None = None,
+    min_sqnr: float | None = None,
+    keep_at_most: int | None = None,
+    modules: Sequence[str | type[nn.Module]] | None = None,
+    more_batches: Sequence[Any] = (),
+    check: bool = False,
+    progress: Progress | None = None,
+) -> Advice:
+    """Measure each module's error in each candidate precision and propose a :class:`Policy`.
+
+    Runs a float32 reference forward+backward (``loss_fn(model, batch).backward()``), then one
+    pass per module and candidate with only that module in the candidate precision, and one
+    pass of the region with every measured module kept. Per module it reports the SQNR of the
+    output, of the input and weight gradients and of the whole model's gradient, and for
+    float16 the values out of range and the gradients that flush to zero with and without loss
+    scaling. The proposal keeps the most sensitive modules out of the candidates until the
+    predicted whole-model gradient SQNR meets ``min_sqnr`` (or keeps the ``keep_at_most`` most
+    sensitive ones). The model's parameters, buffers, ``.grad`` and torch's RNG state are left
+    as they were.
+
+    Args:
+        model: the model, on the device to measure on.
+        batch: one batch, passed to ``loss_fn`` as is.
+        loss_fn: ``loss_fn(model, batch)`` returns the scalar loss (it calls the model).
+        candidates: rule words, cheapest first: ``"fp16"``, ``"bf16"`` (default: the device's
+            autocast dtype, bf16 on the CPU, fp16 elsewhere).
+        min_sqnr: the target: the least whole-model gradient SQNR in dB.
+        keep_at_most: the most modules to keep out of every candidate. Without ``min_sqnr``,
+            the ``keep_at_most`` most sensitive modules are kept. With neither, only modules
+            whose every candidate gives inf/NaN are kept.
+        modules: what to measure: qualified-name globs or ``nn.Module`` classes (default: every
+            leaf module with trainable parameters except norms and embeddings).
+        more_batches: further batches; every pass runs over all of them.
+        check: apply the proposal and measure its real SQNR (one more pass).
+        progress: called as ``progress(done, total, label)`` after every pass.
+
+    Returns:
+        An :class:`~mixprec.types.Advice`: the policy, the region dtype, a suggested
+        ``GradScaler`` ``init_scale``, the prediction and the per-module figures, with
+        ``table()``, ``plot()`` and ``to_json()``.
+
+    Raises:
+        ConfigError: a bad argument, a loss function that does not return a scalar loss that
+            requires grad, a float32 reference with inf/NaN gradients.
+
+    Example:
+        >>> import torch, mixprec
+        >>> from torch import nn
+        >>> model = nn.Sequential(nn.Linear(8, 8), nn.Tanh(), nn.Linear(8, 1))
+        >>> x, y = torch.randn(16, 8), torch.randn(16, 1)
+        >>> loss = lambda m, b: torch.nn.functional.mse_loss(m(b[0]).float(), b[1])
+        >>> advice = mixprec.advise(model, (x, y), loss, candidates=["fp16"], keep_at_most=1)
+        >>> advice.kept_precision, len(advice.kept)
+        ('fp32', 1)
+        >>> mixprec.Policy(str(advice.policy)) == advice.policy
+        True
+
+    Host sync: many (every pass reads its figures back to the host).
+    """
+    _check_args(model, loss_fn, min_sqnr, keep_at_most, check)
+    device = _device_of(model)
+    cands = parse_candidates(candidates, device.type)
+    region = region_dtype(cands)
+    chosen = select(model, modules)
+    job = Job(model, [batch, *more_batches], loss_fn, device, cands, region, progress)
+    job.total_passes = _count_passes(cands, chosen, check)
+    with Guard(model, device) as guard:
+        engine = Engine(job, guard)
+        targets = _targets(chosen, guard.params)
+        return _advise(engine, targets, min_sqnr, keep_at_most, check)
+
+
+def _advise(
+    engine: Engine,
+    targets: list[Target],
+    min_sqnr: float | None,
+    keep_at_most: int | None,
+    check: bool,
+) -> Advice:
+    job = engine.job
+    engine.run_reference(targets)
+    notes = [
+        f"{t.name} did not run in forward; not measured" for t in targets if not t.record.calls
+    ]
+    targets = sorted((t for t in targets if t.record.calls), key=lambda t: t.record.first_call)
+    uses_fp16 = job.region == torch.float16 or any(c.is_fp16 for c in job.candidates)
+    scale = propose_scale(targets, engine.reference) if uses_fp16 else 1.0
+    ranges = {
+        t.name: measure.fp16_range(t, engine.reference, scale) if uses_fp16 else None
+        for t in targets
+    }
+    engine.scale = scale
+    found = {
+        t.name: [measure.isolated(engine, t, c) for c in job.candidates if c.serves(t.module)]
+        for t in targets
+    }
+    region_word = format_dtype(job.region)
+    high = high_word(job.candidates, job.region)
+    names = [t.name for t in targets]
+    region_policy = (
+        None
+        if high == region_word
+        else build_policy(job.model, dict.fromkeys(names, high), region_word, names)
+    )
+    region_sqnr = measure.with_policy(engine, "region, measured modules kept", region_policy)
+    choices = [_choice(t.name, found[t.name], high, ranges[t.name]) for t in targets]
+    proposal = search(choices, _ratio(region_sqnr), min_sqnr, keep_at_most)
+    picked = {c.name: c.current.word for c in proposal.choices}
+    policy = build_policy(job.model, picked, region_word, names)
+    measured = measure.with_policy(engine, "check: proposal applied", policy) if check else None
+    return Advice(
+        policy=policy,
+        dtype=job.region,
+        device_type=job.device.type,
+        init_scale=scale if uses_fp16 else None,
+        kept_precision=high,
+        modules=tuple(_module_advice(t, found, ranges, proposal) for t in targets),
+        candidates=tuple(c.word for c in job.candidates),
+        min_sqnr=min_sqnr,
+        keep_at_most=keep_at_most,
+        met=proposal.met,
+        predicted_sqnr=proposal.predicted,
+        region_sqnr=region_sqnr,
+        measured_sqnr=measured,
+        mode="exact",
+        passes=engine.passes,
+        notes=tuple(notes + proposal.notes),
+    )
+
+
+def _ratio(db: float) -> float:
+    return 0.0 if db == math.inf else (math.inf if db == -math.inf else 10.0 ** (-db / 10.0))
+
+
+def _choice(name: str, found: list[Measurement], high: str, fp16: Fp16Range | None) -> Choice:
+    options = [
+        Option(m.candidate, _ratio(m.model_grad_sqnr) if m.finite else math.inf, m.model_grad_sqnr)
+        for m in found
+    ]
+    options.append(Option(high, 0.0, math.inf))
+    return Choice(name, options, detail=measure.overflow_detail(fp16))
+
+
+def _module_advice(
+    t: Target,
+    found: dict[str, list[Measurement]],
+    ranges: dict[str, Fp16Range | None],
+    proposal: Proposal,
+) -> ModuleAdvice:
+    choice = next(c for c in proposal.choices if c.name == t.name)
+    return ModuleAdvice(
+        name=t.name,
+        kind=type(t.module).__name__,
+        params=sum(p.numel() for p in t.module.parameters()),
+        calls=t.record.calls,
+        measurements=tuple(found[t.name]),
+        fp16=ranges[t.name],
+        choice=choice.current.word,
+        reason=choice.reason,
+    )
+
+
+def _targets(chosen: list[tuple[str, nn.Module]], params: list[nn.Parameter]) -> list[Target]:
+    position = {id(p): i for i, p in enumerate(params)}
+    return [
+        Target(name, mod, sorted({position[id(p)] for p in mod.parameters()}))
+        for name, mod in chosen
+    ]
+
+
+def _count_passes(cands: list[Candidate], chosen: list[tuple[str, nn.Module]], check: bool) -> int:
+    isolated = sum(c.serves(m) for c in cands for _, m in chosen)
+    return 1 + isolated + 1 + int(check)
+
+
+def _device_of(model: nn.Module) -> torch.device:
+    for tensor in (*model.parameters(), *model.buffers()):
+        return tensor.device
+    return torch.device("cpu")
+
+
+def _check_args(
+    model: object, loss_fn: object, min_sqnr: object, keep_at_most: object, check: object
+) -> None:
+    if not isinstance(model, nn.Module):
+        raise ConfigError(f"model must be a torch.nn.Module, got {type(model).__name__}")
+    if not callable(loss_fn):
+        raise ConfigError(
+            f"loss_fn must be callable as loss_fn(model, batch) -> loss, got "
+            f"{type(loss_fn).__name__}"
+        )
+    if min_sqnr is not None and (
+        isinstance(min_sqnr, bool)
+        or not isinstance(min_sqnr, (int, float))
+        or not math.isfinite(min_sqnr)
+    ):
+        raise ConfigError(f"min_sqnr must be a finite number of dB or None, got {min_sqnr!r}")
+    if keep_at_most is not None and (
+        isinstance(keep_at_most, bool) or not isinstance(keep_at_most, int) or keep_at_most < 0
+    ):
+        raise ConfigError(f"keep_at_most must be an int >= 0 or None, got {keep_at_most!r}")
+    if not isinstance(check, bool):
+        raise ConfigError(f"check must be True or False, got {check!r}")

@@ -1,0 +1,236 @@
+"""The advisor's report: value types, their JSON form, and the entry points to table and plot."""
+
+from __future__ import annotations
+
+import json
+import math
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from mixprec._src.autocast.policy import Policy
+from mixprec._src.autocast.rules import format_dtype
+
+
+@dataclass(frozen=True)
+class Measurement:
+    """One module in one candidate precision, the rest of the model in float32.
+
+    SQNRs are in dB against the float32 reference (``inf``: no error; ``-inf``: inf or NaN).
+
+    Attributes:
+        candidate: the candidate's rule word (``"fp16"``, ``"bf16"``, ...).
+        model_grad_sqnr: SQNR of the whole model's parameter gradient with only this module in
+            the candidate precision: the module's impact, which the proposal adds up.
+        output_sqnr: SQNR of the module's outputs.
+        input_grad_sqnr: SQNR of the gradient of the module's inputs (None: no input needs one).
+        weight_grad_sqnr: SQNR of the gradient of the module's own parameters (None: none).
+        estimated: ``model_grad_sqnr`` is an estimate (``mode="estimate"``), not measured.
+    """
+
+    candidate: str
+    model_grad_sqnr: float
+    output_sqnr: float
+    input_grad_sqnr: float | None
+    weight_grad_sqnr: float | None
+    estimated: bool = False
+
+    @property
+    def finite(self) -> bool:
+        """Whether the module's outputs and gradients stayed finite. Host sync: none."""
+        values = (self.model_grad_sqnr, self.output_sqnr, self.input_grad_sqnr)
+        return all(v is None or v != -math.inf for v in (*values, self.weight_grad_sqnr))
+
+
+@dataclass(frozen=True)
+class Fp16Range:
+    """How a module's float32 reference values fit the float16 range.
+
+    Attributes:
+        output_overflow: output values of magnitude above 65504 (float16 makes them inf).
+        output_max: the largest output magnitude.
+        grad_max: the largest magnitude of the module's output, input and weight gradients.
+        flushed_unscaled: fraction of the non-zero gradients that float16 rounds to zero
+            without loss scaling.
+        flushed_scaled: the same with the proposed ``init_scale``.
+        grad_overflow_scaled: gradient values that overflow float16 at the proposed scale.
+    """
+
+    output_overflow: int
+    output_max: float
+    grad_max: float
+    flushed_unscaled: float
+    flushed_scaled: float
+    grad_overflow_scaled: int
+
+
+@dataclass(frozen=True)
+class ModuleAdvice:
+    """One measured module: what it is, how each candidate did, what was decided and why.
+
+    Attributes:
+        name: qualified name in the model (``model.named_modules()``).
+        kind: class name.
+        params: number of parameter elements the module owns (with its children).
+        calls: how many times it ran per pass.
+        measurements: one per candidate that can serve it, in candidate order.
+        fp16: its float16 range figures (None unless ``"fp16"`` is a candidate).
+        choice: the rule word it gets in the proposal (a candidate, or the kept precision).
+        reason: why, in a few words.
+    """
+
+    name: str
+    kind: str
+    params: int
+    calls: int
+    measurements: tuple[Measurement, ...]
+    fp16: Fp16Range | None
+    choice: str
+    reason: str
+
+    def measurement(self, candidate: str) -> Measurement | None:
+        """The measurement for ``candidate`` (None if that candidate cannot serve the module).
+
+        Host sync: none.
+        """
+        return next((m for m in self.measurements if m.candidate == candidate), None)
+
+
+@dataclass(frozen=True)
+class Advice:
+    """What :func:`mixprec.advise` measured and proposes.
+
+    Apply the proposal with ``mixprec.autocast(advice.device_type, dtype=advice.dtype,
+    policy=advice.policy)`` and, when ``advice.init_scale`` is not None (float16 is used),
+    ``mixprec.GradScaler(init_scale=advice.init_scale)``.
+
+    Attributes:
+        policy: the proposed :class:`mixprec.Policy`; ``Policy(str(advice.policy))`` equals it.
+        dtype: the autocast region's dtype for the policy.
+        device_type: the device type of the model.
+        init_scale: the suggested ``GradScaler`` initial scale (None when float16 is not used).
+        kept_precision: what the kept modules run in (``"fp32"``, or ``"bf16"`` around fp8).
+        modules: one :class:`ModuleAdvice` per measured module, in the order they first ran.
+        candidates: the candidate rule words, cheapest first.
+        min_sqnr: the stated target for the whole-model gradient SQNR (dB), if any.
+        keep_at_most: the stated limit on kept modules, if any.
+        met: whether the predicted SQNR meets ``min_sqnr`` within the limit.
+        predicted_sqnr: the predicted whole-model gradient SQNR of the proposal (dB).
+        region_sqnr: the measured SQNR of the region with every measured module kept (the error
+            of the ops outside the measured modules, which no module rule removes).
+        measured_sqnr: the SQNR measured with the proposal applied (``check=True``), else None.
+        mode: ``"exact"`` or ``"estimate"``.
+        passes: forward+backward passes over the batches that the advice took.
+        notes: anything else worth knowing (modules that did not run, an unmet target).
+    """
+
+    policy: Policy
+    dtype: torch.dtype
+    device_type: str
+    init_scale: float | None
+    kept_precision: str
+    modules: tuple[ModuleAdvice, ...]
+    candidates: tuple[str, ...]
+    min_sqnr: float | None
+    keep_at_most: int | None
+    met: bool
+    predicted_sqnr: float
+    region_sqnr: float
+    measured_sqnr: float | None
+    mode: str
+    passes: int
+    notes: tuple[str, ...] = field(default=())
+
+    @property
+    def kept(self) -> tuple[str, ...]:
+        """Names of the modules kept out of every candidate. Host sync: none."""
+        return tuple(m.name for m in self.modules if m.choice == self.kept_precision)
+
+    def table(self) -> str:
+        """The report as a text table (module, size, figures per candidate, decision, why).
+
+        Host sync: none.
+        """
+        from mixprec._src.advisor.table import render
+
+        return render(self)
+
+    def to_dict(self) -> dict[str, Any]:
+        """The report as plain data (JSON types; infinite SQNRs as the strings ``"inf"`` and
+        ``"-inf"``).
+
+        Host sync: none.
+        """
+        return _jsonable(
+            {
+                "policy": str(self.policy),
+                "dtype": format_dtype(self.dtype),
+                "device_type": self.device_type,
+                "init_scale": self.init_scale,
+                "kept_precision": self.kept_precision,
+                "kept": list(self.kept),
+                "candidates": list(self.candidates),
+                "target": {"min_sqnr": self.min_sqnr, "keep_at_most": self.keep_at_most},
+                "met": self.met,
+                "predicted_sqnr": self.predicted_sqnr,
+                "region_sqnr": self.region_sqnr,
+                "measured_sqnr": self.measured_sqnr,
+                "mode": self.mode,
+                "passes": self.passes,
+                "notes": list(self.notes),
+                "modules": [_module_dict(m) for m in self.modules],
+            }
+        )
+
+    def to_json(self, indent: int | None = 2) -> str:
+        """:meth:`to_dict` as a JSON string (the same report gives the same text).
+
+        Host sync: none.
+        """
+        return json.dumps(self.to_dict(), indent=indent, allow_nan=False)
+
+    def plot(self, path: str | Path | None = None, *, ax: Any = None) -> Any:
+        """Draw each module's gradient SQNR per candidate, the proposal marked (matplotlib).
+
+        Args:
+            path: where to write the image (format from the suffix); nothing written if None.
+            ax: a matplotlib ``Axes`` to draw into (default: a new figure).
+
+        Returns:
+            The matplotlib ``Figure``.
+
+        Raises:
+            ImportError: matplotlib is missing (``pip install 'mixprec[plot]'``).
+
+        Host sync: none.
+        """
+        from mixprec._src.advisor.plot import draw
+
+        return draw(self, path, ax)
+
+
+def _module_dict(m: ModuleAdvice) -> dict[str, Any]:
+    return {
+        "name": m.name,
+        "kind": m.kind,
+        "params": m.params,
+        "calls": m.calls,
+        "choice": m.choice,
+        "reason": m.reason,
+        "measurements": [vars(x).copy() for x in m.measurements],
+        "fp16": None if m.fp16 is None else vars(m.fp16).copy(),
+    }
+
+
+def _jsonable(value: Any) -> Any:
+    if isinstance(value, float) and math.isinf(value):
+        return "inf" if value > 0 else "-inf"
+    if isinstance(value, float) and math.isnan(value):
+        return "nan"
+    if isinstance(value, dict):
+        return {k: _jsonable(v) for k, v in value.items()}
+    if isinstance(value, (list, tuple)):
+        return [_jsonable(v) for v in value]
+    return value

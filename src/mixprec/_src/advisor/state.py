@@ -1,0 +1,130 @@
+"""Leave the user's model as it was: gradients, buffers, RNG state and mixprec's hook records.
+
+The advisor runs many forward and backward passes on the user's own model (not a copy, so that a
+loss function that reaches the model through a closure measures the same object). :class:`Guard`
+takes the state those passes touch before the first one, resets it before every pass (so each
+pass sees the same buffers and the same random numbers, e.g. dropout masks) and puts everything
+back when it exits, also after an error.
+"""
+
+from __future__ import annotations
+
+import random
+from types import TracebackType
+from typing import Any
+
+import torch
+from torch import nn
+
+from mixprec.errors import ConfigError
+
+# mixprec.autocast keeps its per-module records in instance attributes with this prefix
+# (see mixprec._src.autocast._modules); records the advisor's regions created are removed.
+_MIXPREC_ATTR_PREFIX = "_mixprec_"
+_RULE_ATTR = "_mixprec_rule"
+
+
+class Guard:
+    """Snapshot, per-pass reset and restore of the state a forward/backward pass changes.
+
+    Host sync: none on entry; restoring copies the buffers back (device copies only).
+    """
+
+    def __init__(self, model: nn.Module, device: torch.device) -> None:
+        self.model = model
+        self.device = device
+        self.params = [p for p in model.parameters()]
+        self._grads: list[torch.Tensor | None] = []
+        self._buffers: list[tuple[nn.Module, str, torch.Tensor, torch.Tensor]] = []
+        self._versions: list[int] = []
+        self._rng: tuple[Any, ...] = ()
+        self._attrs: dict[int, dict[str, Any]] = {}
+
+    def __enter__(self) -> Guard:
+        self._grads = [p.grad for p in self.params]
+        for p in self.params:
+            p.grad = None
+        self._versions = [p._version for p in self.params]
+        for mod in self.model.modules():
+            for name, buf in mod.named_buffers(recurse=False):
+                self._buffers.append((mod, name, buf, buf.detach().clone()))
+        self._rng = _rng_state(self.device)
+        self._attrs = {
+            id(m): {k: v for k, v in m.__dict__.items() if k.startswith(_MIXPREC_ATTR_PREFIX)}
+            for m in self.model.modules()
+        }
+        return self
+
+    def reset(self) -> None:
+        """Before a pass: no gradients, the buffers and RNG state of the snapshot."""
+        for p in self.params:
+            p.grad = None
+        self._restore_buffers()
+        _set_rng_state(self.device, self._rng)
+
+    def take_grads(self) -> list[torch.Tensor | None]:
+        """After a pass: the parameters' gradients (removed from the parameters)."""
+        grads = [p.grad for p in self.params]
+        for p in self.params:
+            p.grad = None
+        self.check_parameters()
+        return grads
+
+    def check_parameters(self) -> None:
+        """Raise if a pass modified a parameter in place (the advisor cannot undo that)."""
+        for p, version in zip(self.params, self._versions, strict=True):
+            if p._version != version:
+                name = next(n for n, q in self.model.named_parameters() if q is p)
+                raise ConfigError(
+                    f"the loss function modified parameter {name!r} in place during a forward "
+                    "or backward pass; the advisor measures models whose passes leave the "
+                    "parameters unchanged (no optimizer step inside the loss function)"
+                )
+
+    def _restore_buffers(self) -> None:
+        with torch.no_grad():
+            for mod, name, buf, saved in self._buffers:
+                if mod._buffers.get(name) is not buf:
+                    mod._buffers[name] = buf  # the pass replaced the buffer object
+                buf.copy_(saved)
+
+    def __exit__(
+        self,
+        exc_type: type[BaseException] | None,
+        exc: BaseException | None,
+        tb: TracebackType | None,
+    ) -> None:
+        for p, g in zip(self.params, self._grads, strict=True):
+            p.grad = g
+        self._restore_buffers()
+        _set_rng_state(self.device, self._rng)
+        for mod in self.model.modules():
+            _restore_mixprec_attrs(mod, self._attrs.get(id(mod), {}))
+
+
+def _restore_mixprec_attrs(mod: nn.Module, before: dict[str, Any]) -> None:
+    for key in [k for k in mod.__dict__ if k.startswith(_MIXPREC_ATTR_PREFIX)]:
+        if key in before:
+            continue
+        value = mod.__dict__.pop(key)
+        if key == _RULE_ATTR:
+            for handle in getattr(value, "handles", ()):
+                handle.remove()
+    mod.__dict__.update(before)
+
+
+def _rng_state(device: torch.device) -> tuple[Any, ...]:
+    dev_state = None
+    if device.type == "cuda" and torch.cuda.is_initialized():
+        dev_state = torch.cuda.get_rng_state(device)
+    return (torch.get_rng_state(), dev_state, random.getstate())
+
+
+def _set_rng_state(device: torch.device, state: tuple[Any, ...]) -> None:
+    if not state:
+        return
+    cpu, dev_state, py = state
+    torch.set_rng_state(cpu)
+    if dev_state is not None:
+        torch.cuda.set_rng_state(dev_state, device)
+    random.setstate(py)

@@ -1,0 +1,161 @@
+"""``mixprec advise MODULE:FACTORY``: measure a model's modules and propose a precision policy.
+
+``FACTORY`` is a function of no arguments in ``MODULE`` (an importable module, ``pkg.models``,
+or a Python file, ``examples/advise_gpt.py``) that returns ``(model, batch, loss_fn)``, where
+``loss_fn(model, batch)`` returns the loss. Prints the advisor's table (or JSON with ``--json``)
+and can draw the plot (``--plot PATH``).
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib
+import importlib.util
+import sys
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import torch
+from torch import nn
+
+import mixprec
+from mixprec.errors import ConfigError
+
+__all__ = ["add_parser", "load_factory", "run"]
+
+_EXAMPLE = "examples/advise_gpt.py:make_gpt"
+
+
+def add_parser(sub: Any) -> None:
+    """Register ``advise`` on an ``argparse`` subparsers object."""
+    p = sub.add_parser(
+        "advise",
+        help="measure every module in low precision and propose a policy",
+        description=__doc__.split("\n\n")[0] if __doc__ else None,
+    )
+    p.add_argument("target", metavar="MODULE:FACTORY", help=f"e.g. {_EXAMPLE}")
+    p.add_argument(
+        "--candidates",
+        default=None,
+        help="rule words, cheapest first, comma-separated (default: bf16 on the CPU, else fp16)",
+    )
+    p.add_argument("--min-sqnr", type=float, metavar="DB", help="target whole-model grad SQNR")
+    p.add_argument("--keep-at-most", type=int, metavar="K", help="keep at most K modules")
+    p.add_argument("--modules", help="comma-separated name globs to measure (default: leaves)")
+    p.add_argument(
+        "--check", dest="measure", action="store_true", help="apply the proposal and measure it"
+    )
+    p.add_argument("--json", action="store_true", help="print JSON instead of the table")
+    p.add_argument("--plot", type=Path, metavar="PATH", help="write the plot (.png, .svg, .pdf)")
+    p.add_argument("--threads", type=int, help="CPU threads for torch (default: torch's)")
+    p.add_argument("--no-progress", action="store_true", help="no progress lines on stderr")
+    p.set_defaults(handler=run, check=_check)
+
+
+def _check(args: argparse.Namespace) -> str | None:
+    module, sep, name = args.target.rpartition(":")
+    if not sep or not module or not name:
+        return f"{args.target!r} is not MODULE:FACTORY; e.g. {_EXAMPLE}"
+    if args.keep_at_most is not None and args.keep_at_most < 0:
+        return f"--keep-at-most {args.keep_at_most}: use 0 or more"
+    if args.threads is not None and args.threads < 1:
+        return f"--threads {args.threads}: use 1 or more"
+    if args.plot is not None and not args.plot.parent.is_dir():
+        return f"--plot {args.plot}: folder {args.plot.parent} does not exist"
+    return None
+
+
+def load_factory(target: str) -> Callable[[], Any]:
+    """Resolve ``MODULE:FACTORY`` to the factory function.
+
+    Raises:
+        ConfigError: the module cannot be found or imported, or has no such callable.
+    """
+    where, _, name = target.rpartition(":")
+    module = _import(where)
+    factory = getattr(module, name, None)
+    if factory is None:
+        public = sorted(n for n, v in vars(module).items() if callable(v) and not n.startswith("_"))
+        raise ConfigError(
+            f"{where} has no {name!r}; its functions and classes: {', '.join(public) or '(none)'}"
+        )
+    if not callable(factory):
+        raise ConfigError(f"{where}:{name} is a {type(factory).__name__}, not a function")
+    return factory
+
+
+def _import(where: str) -> Any:
+    if where.endswith(".py") or "/" in where or "\\" in where:
+        path = Path(where)
+        if not path.is_file():
+            raise ConfigError(f"file {where} does not exist")
+        spec = importlib.util.spec_from_file_location(path.stem, path)
+        if spec is None or spec.loader is None:
+            raise ConfigError(f"{where} cannot be loaded as a Python module")
+        module = importlib.util.module_from_spec(spec)
+        sys.modules.setdefault(path.stem, module)
+        spec.loader.exec_module(module)
+        return module
+    if "" not in sys.path and "." not in sys.path:
+        sys.path.insert(0, "")  # as `python -m` does: modules of the current folder import
+    try:
+        return importlib.import_module(where)
+    except ModuleNotFoundError as exc:
+        if exc.name and where.startswith(exc.name):
+            raise ConfigError(
+                f"cannot import {where!r} ({exc}); pass an importable module or a .py file"
+            ) from None
+        raise
+
+
+def unpack(made: object, target: str) -> tuple[nn.Module, Any, Callable[..., Any]]:
+    """Check what the factory returned: ``(model, batch, loss_fn)``."""
+    form = "(model, batch, loss_fn) with loss_fn(model, batch) -> loss"
+    if not isinstance(made, (tuple, list)) or len(made) != 3:
+        got = f"a {len(made)}-tuple" if isinstance(made, (tuple, list)) else type(made).__name__
+        raise ConfigError(f"{target} returned {got}; it must return {form}")
+    model, batch, loss_fn = made
+    if not isinstance(model, nn.Module):
+        raise ConfigError(
+            f"{target} returned a {type(model).__name__} as the model; it must return {form}, "
+            "the model a torch.nn.Module"
+        )
+    if not callable(loss_fn):
+        raise ConfigError(
+            f"{target} returned a {type(loss_fn).__name__} as loss_fn; it must return {form}"
+        )
+    return model, batch, loss_fn
+
+
+def run(args: argparse.Namespace) -> int:
+    """Build the model with the factory, advise, print the report."""
+    if args.threads is not None:
+        torch.set_num_threads(args.threads)
+    model, batch, loss_fn = unpack(load_factory(args.target)(), args.target)
+    progress = None if args.no_progress else _progress_lines
+    advice = mixprec.advise(
+        model,
+        batch,
+        loss_fn,
+        candidates=args.candidates,
+        min_sqnr=args.min_sqnr,
+        keep_at_most=args.keep_at_most,
+        modules=args.modules.split(",") if args.modules else None,
+        check=args.measure,
+        progress=progress,
+    )
+    print(advice.to_json() if args.json else advice.table())
+    if args.plot is not None:
+        try:
+            advice.plot(args.plot)
+        except ImportError as exc:
+            print(f"mixprec advise: note: no plot: {exc}", file=sys.stderr)
+        else:
+            if not args.json:
+                print(f"plot: {args.plot}")
+    return 0
+
+
+def _progress_lines(done: int, total: int, label: str) -> None:
+    print(f"mixprec advise: [{done}/{total}] {label}", file=sys.stderr, flush=True)
