@@ -28,6 +28,9 @@ from torch import nn
 import mixprec
 from mixprec.errors import ScalerStateError
 
+# Every test runs on the CPU's path and on the path a CUDA user takes (tests/conftest.py).
+pytestmark = pytest.mark.usefixtures("scaler_path")
+
 ITERATIONS = 10
 SAVE_AT = 5
 OVERFLOW_AT = (2, 7)
@@ -90,8 +93,17 @@ def resume(path: Path, kind: str) -> dict[str, Any]:
     return {"scales": scales, "params": params}
 
 
-def _child(directory: str) -> None:
+def _child(directory: str, path: str = "host") -> None:
     torch.set_num_threads(1)
+    if path == "device":
+        from tests.scaler_paths import device_path
+
+        with device_path():
+            return _resume_all(directory)
+    _resume_all(directory)
+
+
+def _resume_all(directory: str) -> None:
     out = {}
     for name in os.listdir(directory):
         if name.endswith(".pt"):
@@ -106,17 +118,18 @@ def uninterrupted(kind: str) -> dict[str, Any]:
     return {"scales": scales, "params": [p.detach().flatten().tolist() for p in model.parameters()]}
 
 
-def test_resume_in_a_fresh_process_is_bit_identical(tmp_path: Path) -> None:
+def test_resume_in_a_fresh_process_is_bit_identical(tmp_path: Path, scaler_path: str) -> None:
     pairs = [("mixprec", "mixprec"), ("torch", "mixprec"), ("mixprec", "torch")]
     first_half = {}
     for saved_by, resumed_by in pairs:
         first_half[saved_by, resumed_by] = save(tmp_path / f"{saved_by}-{resumed_by}.pt", saved_by)
     here = Path(__file__).resolve().parent
     code = (
-        f"import sys; sys.path.insert(0, {str(here)!r}); "
-        "import test_checkpoint as t; t._child(sys.argv[1])"
+        f"import sys; sys.path[:0] = [{str(here)!r}, {str(here.parent)!r}]; "
+        "import test_checkpoint as t; t._child(sys.argv[1], sys.argv[2])"
     )
-    subprocess.run([sys.executable, "-c", code, str(tmp_path)], check=True, timeout=120)
+    command = [sys.executable, "-c", code, str(tmp_path), scaler_path]
+    subprocess.run(command, check=True, timeout=120)
     results = json.loads((tmp_path / "result.json").read_text())
 
     reference = {kind: uninterrupted(kind) for kind in ("mixprec", "torch")}
@@ -199,7 +212,7 @@ def test_hooks_are_not_copied_and_say_so() -> None:
     scaler, _, _ = _trained_scaler()
     scaler.register_update_hook(lambda s, e: None)
     twin = pickle.loads(pickle.dumps(scaler))
-    assert len(scaler._hooks) == 1 and len(twin._hooks) == 0
+    assert len(scaler._telemetry.hooks) == 1 and len(twin._telemetry.hooks) == 0
 
 
 @pytest.mark.parametrize("order", ["init, load", "load, init", "load, load"])

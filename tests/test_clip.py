@@ -24,6 +24,9 @@ from mixprec.errors import (
     ScalerStateError,
 )
 
+# Every test runs on the CPU's path and on the path a CUDA user takes (tests/conftest.py).
+pytestmark = pytest.mark.usefixtures("scaler_path")
+
 SHAPES = [(5, 3), (7,), (2, 2, 2), (1,), (33,)]
 
 

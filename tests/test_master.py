@@ -133,6 +133,13 @@ def test_master_weights_with_torch_scaler_and_mixprec_scaler_are_bit_identical()
         assert torch.equal(a, b)
 
 
+def _freed(grad: torch.Tensor | None) -> bool:
+    """The low-precision grad holds no memory: a zero placeholder (or nothing)."""
+    if grad is None:
+        return True
+    return grad.untyped_storage().nbytes() <= grad.element_size() and not bool(grad.any())
+
+
 def test_grads_accumulate_in_fp32_and_low_precision_grads_are_freed() -> None:
     model = PeftLike(head_dtype=torch.bfloat16)
     opt = torch.optim.SGD(_trainable(model), lr=0.1)
@@ -143,7 +150,7 @@ def test_grads_accumulate_in_fp32_and_low_precision_grads_are_freed() -> None:
         out = ref(torch.ones(4, 16)).sum()
         grads.append(torch.autograd.grad(out, ref.weight)[0])
         model.head(torch.ones(4, 16, dtype=torch.bfloat16)).float().sum().backward()
-    assert model.head.weight.grad is None and model.head.bias.grad is None
+    assert _freed(model.head.weight.grad) and _freed(model.head.bias.grad)
     master_w = masters.pairs[0][1]
     assert master_w.grad is not None and master_w.grad.dtype == torch.float32
     torch.testing.assert_close(master_w.grad, grads[0] + grads[1])
@@ -154,7 +161,7 @@ def test_grads_accumulate_in_fp32_and_low_precision_grads_are_freed() -> None:
     assert low_grad is not None
     opt2 = torch.optim.SGD(_trainable(model2), lr=0.1)
     masters2 = mixprec.MasterWeights(opt2)
-    assert model2.head.weight.grad is None
+    assert _freed(model2.head.weight.grad)
     assert torch.equal(masters2.pairs[0][1].grad, low_grad.float())
     assert masters.overhead_bytes() == (16 + 1) * (8 - 2)
     opt.zero_grad()

@@ -19,6 +19,9 @@ import mixprec
 from mixprec._src.scaling.config import FP32_MAX, FP32_TINY
 from mixprec.errors import ScaleCollapseWarning
 
+# Every test runs on the CPU's path and on the path a CUDA user takes (tests/conftest.py).
+pytestmark = pytest.mark.usefixtures("scaler_path")
+
 FP32_SMALLEST_SUBNORMAL = 2.0**-149
 
 

@@ -12,6 +12,9 @@ from torch import nn
 import mixprec
 from mixprec.errors import ConfigError
 
+# Every test runs on the CPU's path and on the path a CUDA user takes (tests/conftest.py).
+pytestmark = pytest.mark.usefixtures("scaler_path")
+
 
 def _model_and_opt(**opt_kwargs: object) -> tuple[nn.Module, torch.optim.Optimizer]:
     torch.manual_seed(0)

@@ -15,6 +15,9 @@ from tests.scaler_cases import Case, Trace, run
 
 import mixprec
 
+# Every test runs on the CPU's path and on the path a CUDA user takes (tests/conftest.py).
+pytestmark = pytest.mark.usefixtures("scaler_path")
+
 SGD = functools.partial(torch.optim.SGD, lr=0.1)
 OPTIMIZERS = {
     "sgd": SGD,

@@ -1,4 +1,9 @@
-"""The update rule: against torch's kernel, against a tiny reference, and scripted trajectories."""
+"""The update rule: against torch's kernel, against a tiny reference, and scripted trajectories.
+
+The rule is written once (``rule.next_scale``) and run on Python numbers (the host view) and on
+device tensors (the general device form); torch's ``_amp_update_scale_`` is the third form the
+device path uses with torch's settings. All three are held to the same reference here.
+"""
 
 from __future__ import annotations
 
@@ -9,8 +14,17 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from mixprec import ScalerConfig
-from mixprec._src.scaling.config import FP32_TINY
-from mixprec._src.scaling.rule import HostScale, ScaleState, _general_update_, to_f32, update_scale_
+from mixprec._src.scaling.config import FP32_TINY, to_f32
+from mixprec._src.scaling.rule import (
+    DEVICE,
+    Tensors,
+    Values,
+    advance_tensors_,
+    advance_values,
+    next_scale,
+)
+
+CPU = torch.device("cpu")
 
 # Overflow flags as torch sees them: 0 is clean; anything else (NaN and negatives too) overflows.
 flags = st.sampled_from([0.0, 0.0, 0.0, 1.0, 2.0, math.nan, -1.0])
@@ -57,12 +71,17 @@ def test_general_rule_equals_torch_kernel(
     cfg = ScalerConfig(
         init_scale=scale, growth_factor=growth, backoff_factor=backoff, growth_interval=interval
     )
-    ours = ScaleState.create(scale, 0, 0, torch.device("cpu"))
+    ours = Tensors.create(Values(scale), CPU)
     t_scale = torch.full((), scale)
     t_tracker = torch.zeros((), dtype=torch.int32)
     for flag in sequence:
         found = torch.tensor(flag)
-        _general_update_(ours, found != 0, cfg)
+        new = next_scale(
+            ours.scale, ours.growth_tracker, ours.overflow_streak, found != 0, cfg, DEVICE
+        )
+        ours.scale.copy_(new[0])
+        ours.growth_tracker.copy_(new[1])
+        ours.overflow_streak.copy_(new[2])
         torch._amp_update_scale_(t_scale, t_tracker, found, growth, backoff, interval)
         if t_scale.item() < FP32_TINY:  # torch has no floor; ours clamps later
             return
@@ -100,16 +119,17 @@ def test_device_rule_and_host_mirror_equal_reference(
         min_scale=low,
         max_scale=high,
     )
-    state = ScaleState.create(scale, 0, 0, torch.device("cpu"))
-    mirror = HostScale(scale, 0, 0)
+    state = Tensors.create(Values(scale), CPU)
+    host = Values(scale)
     expected = (scale, 0, 0)
     for flag in sequence:
         overflow = flag != 0 or math.isnan(flag)
-        update_scale_(state, torch.tensor(flag), cfg)
-        mirror = mirror.advance(overflow, cfg)
+        advance_tensors_(state, torch.tensor(flag), cfg)
+        host = advance_values(host, overflow, cfg)
         expected = _reference(*expected, overflow, cfg)
         got = (state.scale.item(), state.growth_tracker.item(), state.overflow_streak.item())
-        assert got == expected == (mirror.scale, mirror.growth_tracker, mirror.overflow_streak)
+        assert got == expected == (host.scale, host.growth_tracker, host.overflow_streak)
+        assert state.read() == host  # the counters too, and read() is exact
         assert (low or FP32_TINY) <= got[0] <= (high or 3.5e38)
         # powers of two stay exact powers of two with power-of-two factors
         if (
@@ -121,10 +141,10 @@ def test_device_rule_and_host_mirror_equal_reference(
 
 
 def _trajectory(cfg: ScalerConfig, sequence: str) -> list[tuple[float, int, int]]:
-    state = ScaleState.create(cfg.init_scale, 0, 0, torch.device("cpu"))
+    state = Tensors.create(Values(cfg.init_scale), CPU)
     out = []
     for ch in sequence:
-        update_scale_(state, torch.tensor(1.0 if ch == "x" else 0.0), cfg)
+        advance_tensors_(state, torch.tensor(1.0 if ch == "x" else 0.0), cfg)
         out.append((state.scale.item(), state.growth_tracker.item(), state.overflow_streak.item()))
     return out
 

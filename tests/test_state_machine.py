@@ -14,6 +14,8 @@ docstrings and docs/reliability.md, not from the implementation:
 * the update rule: overflow halves the scale and resets the tracker; otherwise the tracker
   counts up and the scale doubles every ``growth_interval`` clean iterations;
 * ``update(new_scale)`` sets the scale and keeps the tracker;
+* ``load_state_dict`` is refused mid-iteration: once ``scale()`` was called, or an optimizer was
+  touched, until the iteration ends (the gradients are scaled with the current scale);
 * before the first ``scale()`` (and after unpickling) ``unscale_``/``step``/``update`` raise
   ScalerStateError.
 
@@ -33,6 +35,7 @@ import torch
 from hypothesis import HealthCheck, settings
 from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, invariant, rule
+from tests.scaler_paths import device_path
 from torch import nn
 
 import mixprec
@@ -59,6 +62,7 @@ class Model:
     iterations: int = 0
     skipped: int = 0
     initialised: bool = False
+    scaled: bool = False  # scale() was called in this iteration
     phase: list[OptState] = field(default_factory=lambda: [OptState.READY] * 2)
     touched: list[bool] = field(default_factory=lambda: [False, False])
     checked: list[Snapshot | None] = field(default_factory=lambda: [None, None])
@@ -66,6 +70,7 @@ class Model:
     bad: list[bool] = field(default_factory=lambda: [False, False])
 
     def end_iteration(self) -> None:
+        self.scaled = False
         self.phase = [OptState.READY] * 2
         self.touched = [False, False]
         self.checked = [None, None]
@@ -128,6 +133,7 @@ class ScalerMachine(RuleBasedStateMachine):
             total = scaled[0] + scaled[1]
         total.backward()
         self.model.initialised = True
+        self.model.scaled = True
         self.model.has_grad = [True, True]
 
     @rule(k=st.sampled_from([FUSED, PLAIN]), value=st.sampled_from([math.inf, -math.inf, math.nan]))
@@ -230,7 +236,7 @@ class ScalerMachine(RuleBasedStateMachine):
     def round_trip(self, kind: str) -> None:
         m = self.model
         if kind == "in place":
-            if any(m.touched):  # grads were unscaled with the current scale: refused
+            if any(m.touched) or m.scaled:  # grads were scaled with the current scale: refused
                 _raises(ScalerStateError, self.scaler.load_state_dict, self.scaler.state_dict())
                 return
             self.scaler.load_state_dict(self.scaler.state_dict())  # between iterations: fine
@@ -252,6 +258,7 @@ class ScalerMachine(RuleBasedStateMachine):
             self.scaler = fresh
         # The copy re-creates its tensors on the device of its next scale() output.
         m.initialised = False
+        m.scaled = False
 
     # ------------------------------------------------------------------ invariants
 
@@ -276,8 +283,23 @@ ScalerMachine.TestCase.settings = settings(
     deadline=None,
     suppress_health_check=[HealthCheck.too_slow],
 )
+
+
+class DevicePathMachine(ScalerMachine):
+    """The same machine on the path a CUDA user takes (tests/scaler_paths.py)."""
+
+    def __init__(self) -> None:
+        self._path = device_path()
+        self._path.__enter__()
+        super().__init__()
+
+    def teardown(self) -> None:
+        self._path.__exit__(None, None, None)
+
+
+DevicePathMachine.TestCase.settings = ScalerMachine.TestCase.settings
 # Scales below 1 (reachable with update(new_scale)) take mixprec's other unscale path; the
 # warning they raise is the subject of the telemetry tests, not of this one.
-TestScalerMachine = pytest.mark.filterwarnings("ignore::mixprec.errors.ScaleCollapseWarning")(
-    ScalerMachine.TestCase
-)
+_quiet = pytest.mark.filterwarnings("ignore::mixprec.errors.ScaleCollapseWarning")
+TestScalerMachine = _quiet(ScalerMachine.TestCase)
+TestDevicePathMachine = _quiet(DevicePathMachine.TestCase)

@@ -19,13 +19,13 @@ from mixprec._src.autocast.policy import Policy
 from mixprec._src.autocast.region import autocast
 from mixprec._src.autocast.rules import Rule
 from mixprec._src.autocast.table import policy_table
-from mixprec._src.dist.join import JoinableScaler
 from mixprec._src.dist.norms import distributed_clip_grad_norm_
 from mixprec._src.kernels.flat import flatten_grads
 from mixprec._src.master import MasterWeights
 from mixprec._src.plot import plot
 from mixprec._src.scaling.config import ScalerConfig
 from mixprec._src.scaling.grad_scaler import GradScaler
+from mixprec._src.scaling.join import JoinableScaler
 
 __version__ = "0.1.0"
 

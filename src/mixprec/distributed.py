@@ -9,8 +9,8 @@ clips or checks gradients itself. See ``docs/distributed.md``.
 from __future__ import annotations
 
 from mixprec._src.dist.agree import agree_found_inf_
-from mixprec._src.dist.join import JoinableScaler
 from mixprec._src.dist.norms import all_reduce_norm_, distributed_clip_grad_norm_
+from mixprec._src.scaling.join import JoinableScaler
 
 __all__ = [
     "JoinableScaler",

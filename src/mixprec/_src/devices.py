@@ -7,6 +7,11 @@ device names of its own: it reads a column of this table.
 
 A device type missing from the table (a PrivateUse1 backend, ``hpu``, ``mtia``...) gets
 :data:`GENERAL`: every capability off, so the general path, which needs only ordinary tensor ops.
+
+The scaler decides once, when it creates its scale, whether it may read the scale on the host
+for free (:attr:`DeviceCaps.host_memory`). The tests run every scenario a second time with the
+CPU's row replaced by CUDA's (``tests/conftest.py``), so the path a CUDA user takes is exercised
+on every CI run.
 """
 
 from __future__ import annotations
@@ -27,8 +32,17 @@ class DeviceCaps:
         fp8_scaled_mm: ``torch._scaled_mm`` is a fast kernel here (on the CPU it is oneDNN's
             reference kernel, thousands of times slower than emulation: never use it there).
             Whether a given device of this type supports fp8 is a further runtime check.
-        wide_float: the widest float dtype worth accumulating in (norms, sums).
+        wide_float: the widest float dtype worth accumulating in (norms, sums, ``1/scale``).
         autocast_key: the name of native autocast's dispatch key for this type, if any.
+        host_memory: tensors live in host memory, so reading one on the host costs no
+            synchronisation: the scaler then follows its scale on the host and writes it back.
+        aminmax_inf_norm: the inf-norm is much faster as ``torch.aminmax`` than as
+            ``torch._foreach_norm(..., inf)`` (whose CPU kernel is not vectorised).
+        per_tensor_clamp: one ``clamp_`` per large tensor beats two foreach clamps.
+        sequential_pieces: small flat ranges run faster cut into pieces that torch runs on the
+            calling thread (a parallel region may wait for its second thread on a busy machine).
+        collective_backend: the ``torch.distributed`` backend that reduces tensors of this type
+            (``gloo`` for the CPU, ``nccl`` for CUDA), for groups that do not say.
 
     Host sync: none.
     """
@@ -38,16 +52,34 @@ class DeviceCaps:
     fp8_scaled_mm: bool = False
     wide_float: torch.dtype = torch.float64
     autocast_key: str | None = None
+    host_memory: bool = False
+    aminmax_inf_norm: bool = False
+    per_tensor_clamp: bool = False
+    sequential_pieces: bool = False
+    collective_backend: str | None = None
 
 
 GENERAL = DeviceCaps()
 
 _TABLE: dict[str, DeviceCaps] = {
-    "cpu": DeviceCaps(amp_kernels=True, fused_optimizers=True, autocast_key="AutocastCPU"),
-    "cuda": DeviceCaps(
-        amp_kernels=True, fused_optimizers=True, fp8_scaled_mm=True, autocast_key="AutocastCUDA"
+    "cpu": DeviceCaps(
+        amp_kernels=True,
+        fused_optimizers=True,
+        autocast_key="AutocastCPU",
+        host_memory=True,
+        aminmax_inf_norm=True,
+        per_tensor_clamp=True,
+        sequential_pieces=True,
+        collective_backend="gloo",
     ),
-    "xpu": DeviceCaps(autocast_key="AutocastXPU"),
+    "cuda": DeviceCaps(
+        amp_kernels=True,
+        fused_optimizers=True,
+        fp8_scaled_mm=True,
+        autocast_key="AutocastCUDA",
+        collective_backend="nccl",
+    ),
+    "xpu": DeviceCaps(autocast_key="AutocastXPU", collective_backend="xccl"),
     "mps": DeviceCaps(wide_float=torch.float32, autocast_key="AutocastMPS"),
 }
 
@@ -65,3 +97,11 @@ def caps(device: torch.device | str) -> DeviceCaps:
     """
     kind = device.type if isinstance(device, torch.device) else str(device).split(":", 1)[0]
     return _TABLE.get(kind, GENERAL)
+
+
+def types_reduced_by(backend: str) -> set[str]:
+    """The device types whose tensors ``backend`` reduces (``"gloo"``: ``{"cpu"}``).
+
+    Host sync: none.
+    """
+    return {kind for kind, row in _TABLE.items() if row.collective_backend == backend}

@@ -7,7 +7,11 @@ float32 copies ("masters") of its low-precision parameters:
 
 * each low-precision parameter's gradient, as soon as autograd has accumulated it, is added into
   the master's fp32 ``.grad`` and the low-precision ``.grad`` is freed (a
-  ``register_post_accumulate_grad_hook``), so gradient accumulation over micro-batches sums in fp32;
+  ``register_post_accumulate_grad_hook``), so gradient accumulation over micro-batches sums in fp32.
+  In its place the parameter keeps a zero placeholder (a broadcast scalar: no memory), so that
+  clearing it, ``model.zero_grad()`` with or without ``set_to_none``, is seen at the next
+  backward (a pre-hook of the parameter's ``AccumulateGrad`` node) and clears the master's
+  gradient too: the model and the optimizer may be zeroed either way;
 * the scaler unscales and checks the fp32 master gradients (mixprec's or torch's scaler alike);
 * the optimizer steps the masters (its state is fp32 too);
 * after every ``optimizer.step()`` the low-precision parameters are refreshed from the masters (a
@@ -19,23 +23,32 @@ Memory: for each low-precision element, 4 bytes of master and 4 bytes of master 
 2-byte low-precision gradient is freed as it arrives: +6 bytes per element over fp16 parameters
 with fp16 gradients (optimizer state is fp32, as it would be for an fp32 model). fp32 parameters
 of the same optimizer are left alone and cost nothing.
+
+Parameter groups added later (``optimizer.add_param_group``) are converted as they are added.
 """
 
 from __future__ import annotations
 
 import types
-from collections.abc import Callable, Iterable, Iterator
+from collections.abc import Iterable, Iterator
 from typing import Any
 
 import torch
 from torch.utils.hooks import RemovableHandle
 
-from mixprec._src.scaling.closure import split_closure
+from mixprec._src.optim import split_closure
 from mixprec.errors import ConfigError
 
 _Optimizer = torch.optim.Optimizer
 _STATE_KEY = "mixprec_master_weights"
 _LOW_PRECISION = (torch.float16, torch.bfloat16)
+_ATTRIBUTE = "_mixprec_master_weights"
+
+
+def masters_of(optimizer: Any) -> MasterWeights | None:
+    """The :class:`MasterWeights` that converted ``optimizer``, or None. Host sync: none."""
+    found = getattr(optimizer, _ATTRIBUTE, None)
+    return found if isinstance(found, MasterWeights) else None
 
 
 class MasterWeights:
@@ -47,14 +60,17 @@ class MasterWeights:
     ``"mixprec_master_weights"``) and ``optimizer.load_state_dict()`` restores them and refreshes
     the model; a checkpoint without them (e.g. saved before wrapping) re-seeds the masters from
     the model's current parameters. Clip the gradients of :meth:`parameters` (the masters hold
-    them), not of ``model.parameters()``.
+    them), not of ``model.parameters()``: after a backward, a converted parameter's ``.grad`` is
+    a read-only zero placeholder; zeroing it (``model.zero_grad()``) clears its master's gradient.
+    Groups added with ``optimizer.add_param_group`` are converted too.
 
     Args:
         optimizer: any ``torch.optim.Optimizer``; convert it before its first step.
         dtypes: the parameter dtypes that get masters (default fp16 and bf16).
 
     Raises:
-        ConfigError: ``optimizer`` is not an optimizer, or it was already converted.
+        ConfigError: ``optimizer`` is not an optimizer, or it was already converted, or (from
+            ``add_param_group``) a parameter is already in it.
 
     Example:
         >>> import torch, mixprec
@@ -80,45 +96,50 @@ class MasterWeights:
                 f"MasterWeights needs a torch.optim.Optimizer, got {type(optimizer).__name__}. "
                 "Build the optimizer over the model's parameters first, then wrap it."
             )
-        if getattr(optimizer, "_mixprec_master_weights", None) is not None:
+        if masters_of(optimizer) is not None:
             raise ConfigError("This optimizer already has master weights; wrap it only once.")
         self.optimizer = optimizer
         self.dtypes = tuple(dtypes)
         self.pairs: list[tuple[torch.Tensor, torch.Tensor]] = []  # (low precision, master)
-        self._grad_handles: list[RemovableHandle] = []
-        self._swap_in_masters()
-        self._register_grad_hooks()
+        self._links: list[_GradLink] = []
+        for group in optimizer.param_groups:
+            self._convert(group)
         optimizer.register_step_post_hook(self._after_step)
         optimizer.register_state_dict_post_hook(self._add_to_state_dict)
         optimizer.register_load_state_dict_pre_hook(self._take_from_state_dict)
-        optimizer._mixprec_master_weights = self  # type: ignore[attr-defined]
+        setattr(optimizer, _ATTRIBUTE, self)
         # with a closure (LBFGS, SAM) the masters move mid-step: refresh before each evaluation.
         # Bound methods, as LR schedulers expect (they re-bind ``optimizer.step.__func__``).
         optimizer._mixprec_inner_step = optimizer.step  # type: ignore[attr-defined]
         optimizer.step = types.MethodType(_step_refreshing, optimizer)  # type: ignore[method-assign]
+        optimizer.add_param_group = types.MethodType(  # type: ignore[method-assign]
+            _add_group_converting, optimizer
+        )
         # torch drops instance attributes and hooks when copying an optimizer: refuse loudly
         for name in ("__deepcopy__", "__reduce_ex__"):
             setattr(optimizer, name, types.MethodType(_refuse_copy, optimizer))
 
-    def _register_grad_hooks(self) -> None:
-        for low, master in self.pairs:
-            hook = _accumulate_into(master)
-            self._grad_handles.append(low.register_post_accumulate_grad_hook(hook))
-
     def _after_step(self, optimizer: _Optimizer, args: Any, kwargs: Any) -> None:
         self.refresh()
 
-    def _swap_in_masters(self) -> None:
-        for group in self.optimizer.param_groups:
-            for i, param in enumerate(group["params"]):
-                if param.dtype not in self.dtypes or not param.requires_grad:
-                    continue
-                master = param.detach().float().requires_grad_(True)
-                group["params"][i] = master
-                if param.grad is not None:  # a gradient accumulated before the conversion
-                    master.grad, param.grad = param.grad.float(), None
-                self._move_state(param, master)
-                self.pairs.append((param, master))
+    def _convert(self, group: dict[str, Any]) -> None:
+        """Put masters in place of the group's low-precision trainable parameters."""
+        converted = {id(low) for low, _ in self.pairs}
+        for i, param in enumerate(group["params"]):
+            if param.dtype not in self.dtypes or not param.requires_grad:
+                continue
+            if id(param) in converted:
+                raise ConfigError(
+                    f"A parameter of shape {tuple(param.shape)} is already in this optimizer "
+                    "(as its fp32 master); add each parameter to one group only."
+                )
+            master = param.detach().float().requires_grad_(True)
+            group["params"][i] = master
+            if param.grad is not None:  # a gradient accumulated before the conversion
+                master.grad = param.grad.float()
+            self._move_state(param, master)
+            self.pairs.append((param, master))
+            self._links.append(_GradLink(param, master))
 
     def _move_state(self, param: torch.Tensor, master: torch.Tensor) -> None:
         state = self.optimizer.state.pop(param, None)
@@ -187,26 +208,65 @@ class MasterWeights:
         return state_dict
 
 
-def _accumulate_into(master: torch.Tensor) -> Callable[[torch.Tensor], None]:
-    """A post-accumulate-grad hook: add the low-precision grad into ``master.grad``, free it."""
+class _GradLink:
+    """Moves a low-precision parameter's gradient into its master as autograd accumulates it.
 
-    def hook(param: torch.Tensor) -> None:
+    After each accumulation the parameter's ``.grad`` becomes a zero placeholder (a scalar zero
+    broadcast to its shape: no memory). Before the next accumulation (a pre-hook of the
+    parameter's ``AccumulateGrad`` node, which ``torch.autograd.grad`` does not run), a
+    placeholder that was cleared or zeroed in place means the model's grads were zeroed: the
+    master's gradient is cleared too. The placeholder is then removed, so autograd stores the
+    new gradient instead of adding into it.
+    """
+
+    def __init__(self, low: torch.Tensor, master: torch.Tensor) -> None:
+        self.low = low
+        self.master = master
+        self.placeholder = torch.zeros((), dtype=low.dtype, device=low.device).expand(low.shape)
+        self.version = self.placeholder._version
+        with torch.enable_grad():  # the node is reached through a view's graph
+            view = low.view_as(low)
+        assert view.grad_fn is not None
+        node = view.grad_fn.next_functions[0][0]
+        assert node is not None
+        self.node = node
+        self.handles: list[RemovableHandle] = [
+            self.node.register_prehook(self._before),
+            low.register_post_accumulate_grad_hook(self._after),
+        ]
+        low.grad = self.placeholder if master.grad is not None else None
+
+    def _before(self, grad_outputs: Any) -> None:
+        current = self.low.grad
+        if current is not self.placeholder or self.placeholder._version != self.version:
+            self.master.grad = None  # the model's grad was cleared, zeroed or replaced
+        if current is self.placeholder:
+            self.low.grad = None
+
+    def _after(self, param: torch.Tensor) -> None:
         grad = param.grad
         assert grad is not None
         with torch.no_grad():
-            if master.grad is None:
-                master.grad = grad.float()
+            if self.master.grad is None:
+                self.master.grad = grad.float()
             else:
-                master.grad.add_(grad)
-        param.grad = None
+                self.master.grad.add_(grad)
+        param.grad = self.placeholder
+        self.version = self.placeholder._version
 
-    return hook
+
+def _add_group_converting(optimizer: _Optimizer, param_group: dict[str, Any]) -> None:
+    """``add_param_group`` of a converted optimizer: the new group gets masters too."""
+    type(optimizer).add_param_group(optimizer, param_group)
+    masters = masters_of(optimizer)
+    assert masters is not None
+    masters._convert(optimizer.param_groups[-1])
 
 
 def _step_refreshing(optimizer: _Optimizer, *args: Any, **kwargs: Any) -> Any:
     """``step`` of a converted optimizer: a closure sees the model refreshed from the masters."""
     step = optimizer._mixprec_inner_step  # type: ignore[attr-defined]
-    masters = getattr(optimizer, "_mixprec_master_weights", None)
+    masters = masters_of(optimizer)
     call = split_closure(args, kwargs)
     if call is None or masters is None:
         return step(*args, **kwargs)

@@ -14,11 +14,11 @@ What lives here:
 * :func:`agree_found_inf_`: the all-reduce itself (also what a clipping routine calls).
 * :func:`all_reduce_norm_` and :func:`distributed_clip_grad_norm_`: the global norm of sharded
   gradients with one all-reduce.
-* :class:`JoinableScaler`: shadow iterations for ``torch.distributed.algorithms.Join`` so that
-  ranks with fewer batches keep the same scale and counters.
-* :class:`DistState`: the per-scaler bookkeeping the GradScaler shell calls (not public).
+* :class:`DistState`: the per-scaler bookkeeping the GradScaler calls (not public).
 
-Modules: ``agree`` (the flag), ``norms`` (clipping), ``join`` (uneven inputs).
+Modules: ``agree`` (the flag), ``norms`` (clipping). Nothing here knows about the scaler:
+``JoinableScaler`` (uneven inputs) lives in ``mixprec._src.scaling.join`` and is public through
+:mod:`mixprec.distributed`.
 
 See ``docs/distributed.md`` for usage with DDP, FSDP1/FSDP2 and torchrun.
 """

@@ -9,9 +9,9 @@ from typing import Any
 
 import torch
 
-from mixprec.errors import ConfigError
+from mixprec._src.devices import types_reduced_by
 from mixprec._src.kernels.plan import GradPlan
-
+from mixprec.errors import ConfigError
 
 
 def _dist() -> Any:
@@ -62,9 +62,8 @@ def comm_device(group: Any, device: torch.device) -> torch.device:
     """
     try:
         types = {d.type for d in _group_object(group)._device_types}
-    except (AttributeError, RuntimeError):
-        backend = str(_dist().get_backend(group))
-        types = {"cpu"} if backend == "gloo" else {"cuda"} if backend == "nccl" else set()
+    except (AttributeError, RuntimeError):  # torch without ProcessGroup._device_types
+        types = types_reduced_by(str(_dist().get_backend(group)))
     if not types or device.type in types:
         return device
     if "cpu" in types:
@@ -190,8 +189,9 @@ class DistState:
             found-inf MAX, ``p`` for the norm all-reduce of a clipping (``p`` > 0 or inf).
         last_issued: the same for the previous iteration (Join's shadow iterations replay it).
         total_collectives: all all-reduces this scaler issued (for measurements).
-        join_group: the group of a :class:`JoinableScaler` (flags only, never norms).
-        joinable: the :class:`JoinableScaler` wrapping the scaler, if any.
+        join_group: the group of a ``JoinableScaler`` (flags only, never norms).
+        joinable: the ``torch.distributed.algorithms.Joinable`` wrapping the scaler, if any: it
+            is notified before the first all-reduce of every iteration.
     """
 
     group: Any = None
@@ -201,11 +201,19 @@ class DistState:
     total_collectives: int = 0
     joinable: Any = field(default=None, repr=False)
 
+    def join(self, joinable: Any, group: Any) -> None:
+        """Take part in ``Join``: agree on every flag over ``group``, notify ``joinable``.
+
+        Host sync: none.
+        """
+        self.join_group = group
+        self.joinable = joinable
+
     def prepare(self, plan: GradPlan) -> tuple[GradPlan, Any, bool]:
         """``(plan with DTensor grads replaced by local shards, group, agree?)``.
 
         The group is the explicit ``process_group``, else the DTensor grads' mesh group, else
-        the group of a :class:`~mixprec.distributed.JoinableScaler` (replicated grads under
+        the join group of a :class:`~mixprec.distributed.JoinableScaler` (replicated grads under
         ``Join``). Also drops from ``plan.low_precision`` the fp16 grads of non-fp16 parameters
         (FSDP1's ``keep_low_precision_grads``): the optimizer still updates fp32 weights, so they
         are unscaled as torch's ShardedGradScaler does; fp16 *parameters* are still rejected.

@@ -8,8 +8,8 @@ from typing import Any
 
 import torch
 
+from mixprec._src.devices import caps
 from mixprec._src.dist.agree import comm_device, dtensor_type
-
 
 
 def _dist() -> Any:
@@ -51,8 +51,7 @@ def all_reduce_norm_(local_norm: torch.Tensor, norm_type: float, group: Any = No
         buffer = value.to(target, copy=True)
         op = dist.ReduceOp.MAX
     else:  # in float64 where there is one: norm ** p of a large finite norm fits
-        wide = torch.float32 if target.type == "mps" else torch.float64
-        buffer = value.to(target, wide).pow(p)
+        buffer = value.to(target, caps(target).wide_float).pow(p)
         op = dist.ReduceOp.SUM
     dist.all_reduce(buffer, op=op, group=group, async_op=True).wait()
     total = buffer if math.isinf(p) else buffer.pow(1.0 / p)

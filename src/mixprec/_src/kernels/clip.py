@@ -13,7 +13,11 @@ With a power-of-two scale (the default trajectory) both the returned norm and th
 are bit-identical to torch's sequence; otherwise they agree to float32 rounding. Nothing here reads
 a value on the host except ``error_if_nonfinite=True``.
 
-Implementation choice per device type (measured with ``benchmarks/run.py``, CPU, 2 threads):
+A third way (``defer=True``) only measures: the caller folds the clip coefficient into a fused
+optimizer's ``grad_scale``, so the grads are read once for the norm and once by the optimizer.
+
+Implementation choice per device type (measured with ``benchmarks/run.py``, CPU, 2 threads; the
+device types are columns of :mod:`mixprec._src.devices`):
 
 * Norms: ``torch._foreach_norm`` on every device for finite ``p``. For ``p = inf`` the CPU uses
   ``torch.aminmax`` per tensor (``max(max, -min)``, NaN-propagating like the norm): 100M fp32
@@ -36,11 +40,13 @@ from __future__ import annotations
 
 import math
 from collections.abc import Callable
+from typing import NamedTuple
 
 import torch
 
+from mixprec._src.devices import caps
 from mixprec._src.kernels.plan import GradPlan, GroupKey
-from mixprec._src.kernels.unscale import FUSED_KERNEL_DEVICES, found_inf_on, unscale_grads_
+from mixprec._src.kernels.unscale import found_inf_on, unscale_grads_
 from mixprec.errors import ConfigError, NonFiniteNormError
 
 _BIG = 32768  # elements per tensor above which one clamp_ pass beats two foreach passes (CPU)
@@ -76,6 +82,19 @@ def validate_plan(plan: GradPlan, what: str) -> None:
         )
 
 
+class Clip(NamedTuple):
+    """What :func:`clip_grad_norm_` computed: 0-d tensors on the first grad's device.
+
+    Attributes:
+        total: the total norm of the unscaled grads (before clipping).
+        coefficient: ``min(1, max_norm / (total + 1e-6))``, the factor the unscaled grads are
+            (or, deferred, are to be) multiplied by.
+    """
+
+    total: torch.Tensor
+    coefficient: torch.Tensor
+
+
 def clip_grad_norm_(
     plan: GradPlan,
     inv_scale: torch.Tensor,
@@ -86,8 +105,10 @@ def clip_grad_norm_(
     check_output: bool,
     error_if_nonfinite: bool = False,
     reduce_norm: Callable[[torch.Tensor], torch.Tensor] | None = None,
-) -> torch.Tensor:
-    """Unscale and clip the grads of ``plan`` in place; return the unscaled total norm.
+    norm_groups: dict[GroupKey, list[torch.Tensor]] | None = None,
+    defer: bool = False,
+) -> Clip:
+    """Unscale and clip the grads of ``plan`` in place (or only measure, ``defer``).
 
     Args:
         plan: the grads (dense only; see :func:`validate_plan`).
@@ -103,13 +124,43 @@ def clip_grad_norm_(
         reduce_norm: sharded grads: turns this rank's scaled norm into the global one (one
             all-reduce, :func:`mixprec.distributed.all_reduce_norm_`). The flags then also take
             the global norm's non-finiteness, so every rank agrees without another collective.
-
-    Returns:
-        The total norm of the unscaled grads, a 0-d tensor on the first grad's device.
+        norm_groups: the same grads grouped and ordered as the norm should sum them (see
+            :func:`~mixprec._src.kernels.plan.group_grads`); default: ``plan``'s groups.
+        defer: leave the grads as they are (the caller applies the coefficient later, e.g.
+            inside a fused optimizer's ``grad_scale``); the flags then come from the norm alone.
 
     Host sync: none, unless ``error_if_nonfinite``.
     """
     groups = plan.kernel_groups()
+    total = _total_norm(norm_groups or groups, inv_scale, norm_type, reduce_norm)
+    if error_if_nonfinite and not bool(torch.isfinite(total)):
+        raise NonFiniteNormError(
+            f"The total norm of order {norm_type} of the unscaled gradients is non-finite "
+            f"({total.item()}), so it cannot be clipped; nothing was changed. This iteration "
+            "overflowed: pass error_if_nonfinite=False and scaler.step() skips it and "
+            "scaler.update() lowers the scale."
+        )
+    coefficient = torch.clamp(max_norm / (total + 1e-6), max=1.0)
+    non_finite = torch.logical_not(torch.isfinite(total)).to(torch.float32)
+    check_output = check_output or reduce_norm is not None  # flags = max(local, global)
+    multiplier = coefficient * inv_scale.to(total.device)
+    with torch.no_grad():
+        for key, grads in groups.items():
+            if defer:
+                found = found_inf_on(found_inf_per_device, key[0])
+                torch.maximum(found, non_finite.to(key[0]), out=found)
+            else:
+                _multiply_(key, grads, multiplier, non_finite, found_inf_per_device, check_output)
+    return Clip(total, coefficient)
+
+
+def _total_norm(
+    groups: dict[GroupKey, list[torch.Tensor]],
+    inv_scale: torch.Tensor,
+    norm_type: float,
+    reduce_norm: Callable[[torch.Tensor], torch.Tensor] | None,
+) -> torch.Tensor:
+    """The total norm of the unscaled grads: the scaled norm times ``1/scale``."""
     if not groups:
         zero = torch.zeros((), dtype=torch.float32, device=inv_scale.device)
         return zero if reduce_norm is None else reduce_norm(zero) * inv_scale  # no rank hangs
@@ -118,21 +169,7 @@ def clip_grad_norm_(
     scaled_total = torch.linalg.vector_norm(torch.cat(norms), norm_type)
     if reduce_norm is not None:
         scaled_total = reduce_norm(scaled_total)
-        check_output = True  # flags = max(local, global non-finite norm): the same on all ranks
-    total = scaled_total * inv_scale.to(first_device)
-    if error_if_nonfinite and not bool(torch.isfinite(total)):
-        raise NonFiniteNormError(
-            f"The total norm of order {norm_type} of the unscaled gradients is non-finite "
-            f"({total.item()}), so it cannot be clipped; nothing was changed. This iteration "
-            "overflowed: pass error_if_nonfinite=False and scaler.step() skips it and "
-            "scaler.update() lowers the scale."
-        )
-    factor = torch.clamp(max_norm / (total + 1e-6), max=1.0) * inv_scale.to(first_device)
-    non_finite = torch.logical_not(torch.isfinite(total)).to(torch.float32)
-    with torch.no_grad():
-        for key, grads in groups.items():
-            _multiply_(key, grads, factor, non_finite, found_inf_per_device, check_output)
-    return total
+    return scaled_total * inv_scale.to(first_device)
 
 
 def _group_norms(grads: list[torch.Tensor], norm_type: float) -> torch.Tensor:
@@ -142,7 +179,7 @@ def _group_norms(grads: list[torch.Tensor], norm_type: float) -> torch.Tensor:
         grads = [g for g in grads if g.numel()]
         if not grads:
             return torch.zeros(1, dtype=torch.float32)
-        if grads[0].device.type == "cpu":
+        if caps(grads[0].device).aminmax_inf_norm:
             pairs = [torch.aminmax(g) for g in grads]
             lows = torch.stack([pair.min for pair in pairs])
             highs = torch.stack([pair.max for pair in pairs])
@@ -160,7 +197,7 @@ def _multiply_(
 ) -> None:
     device, dtype = key
     found = found_inf_on(found_inf_per_device, device)
-    if device.type in FUSED_KERNEL_DEVICES and dtype == torch.float32:
+    if caps(device).amp_kernels and dtype == torch.float32:
         # Flags non-finite *inputs* (the scaled grads), like torch's unscale_.
         factor32 = factor.to(device=device, dtype=torch.float32)
         torch._amp_foreach_non_finite_check_and_unscale_(grads, found, factor32)
@@ -169,6 +206,24 @@ def _multiply_(
     else:
         torch._foreach_mul_(grads, factor.to(device))
     torch.maximum(found, non_finite.to(device), out=found)
+
+
+def multiply_(
+    plan: GradPlan,
+    factor: torch.Tensor,
+    found_inf_per_device: dict[torch.device, torch.Tensor],
+) -> None:
+    """Multiply every grad of ``plan`` by the 0-d ``factor`` in place (a deferred clip).
+
+    The flags were already set when the norm was measured; this only adds what the multiply
+    finds (nothing new on the fused-kernel path).
+
+    Host sync: none.
+    """
+    zero = torch.zeros((), dtype=torch.float32, device=factor.device)
+    with torch.no_grad():
+        for key, grads in plan.kernel_groups().items():
+            _multiply_(key, grads, factor, zero, found_inf_per_device, check_output=False)
 
 
 def clip_grad_value_(
@@ -189,7 +244,8 @@ def clip_grad_value_(
     value = float(clip_value)
     with torch.no_grad():
         for (device, _dtype), grads in plan.kernel_groups().items():
-            if device.type == "cpu" and sum(g.numel() for g in grads) > _BIG * len(grads):
+            big = sum(g.numel() for g in grads) > _BIG * len(grads)
+            if caps(device).per_tensor_clamp and big:
                 for grad in grads:
                     grad.clamp_(-value, value)
             else:

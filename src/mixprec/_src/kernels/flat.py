@@ -17,6 +17,7 @@ from typing import Any
 
 import torch
 
+from mixprec._src.devices import caps
 from mixprec.errors import ConfigError
 
 # On the CPU a range of at most this many elements is handed to the kernels as pieces of
@@ -95,7 +96,7 @@ def kernel_pieces(views: list[torch.Tensor]) -> list[torch.Tensor]:
 
     Host sync: none.
     """
-    if not views or views[0].device.type != "cpu":
+    if not views or not caps(views[0].device).sequential_pieces:
         return views
     if sum(v.numel() for v in views) > SEQUENTIAL_MAX_NUMEL:
         return views

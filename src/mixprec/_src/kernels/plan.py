@@ -15,7 +15,7 @@ from __future__ import annotations
 import itertools
 import operator
 import weakref
-from collections.abc import Iterator, Sequence
+from collections.abc import Iterable, Iterator, Sequence
 from dataclasses import dataclass, field
 from typing import cast
 
@@ -104,6 +104,30 @@ def iter_params(optimizer: torch.optim.Optimizer) -> Iterator[ParamRef]:
                 )
             name = names[i] if names is not None and i < len(names) else None
             yield ParamRef(g, i, name, param)
+
+
+def group_grads(params: Iterable[torch.Tensor]) -> dict[GroupKey, list[torch.Tensor]]:
+    """The dense grads of ``params`` grouped by (device, dtype), each group in the order given.
+
+    This is how ``torch.nn.utils.clip_grad_norm_`` orders them, so a norm summed over these
+    groups in this order is the same, bit for bit. Parameters without a grad are skipped.
+
+    Raises:
+        ConfigError: an entry is not a tensor.
+
+    Host sync: none.
+    """
+    groups: dict[GroupKey, list[torch.Tensor]] = {}
+    for i, param in enumerate(params):
+        if not isinstance(param, torch.Tensor):
+            raise ConfigError(
+                f"parameters[{i}] is a {type(param).__name__}, not a torch.Tensor; pass "
+                "model.parameters() or a list of parameters."
+            )
+        grad = param.grad
+        if grad is not None and not grad.is_sparse:
+            groups.setdefault((grad.device, grad.dtype), []).append(grad)
+    return groups
 
 
 def plan_grads(optimizer: torch.optim.Optimizer) -> GradPlan:

@@ -13,6 +13,8 @@ threads; GPU figures come from ``benchmarks/gpu_check.py``):
   second, checking pass runs over the unscaled values (``check_output=True``).
 * Other devices: ``torch._foreach_mul_`` then an ``isfinite`` reduction of the *outputs*, which
   catches both kinds of overflow.
+* Which devices have the fused kernel is a column of :mod:`mixprec._src.devices`
+  (``amp_kernels``).
 * Every device: a group whose grads tile contiguous ranges (see :mod:`mixprec._src.kernels.flat`) is
   passed as those ranges, which removes the per-tensor cost (2,000 x 1,000 elements on the CPU:
   ~0.3 ms for the range, cut in 32768-element pieces, against ~0.8 ms per tensor).
@@ -22,9 +24,8 @@ from __future__ import annotations
 
 import torch
 
+from mixprec._src.devices import caps
 from mixprec._src.kernels.plan import GradPlan
-
-FUSED_KERNEL_DEVICES = frozenset({"cpu", "cuda"})
 
 
 def _gather(plan: GradPlan, coalesce_fp16: bool) -> dict[tuple[torch.device, torch.dtype], list]:
@@ -68,7 +69,7 @@ def unscale_grads_(
             inv = inv_by_device.get(device)
             if inv is None:
                 inv = inv_by_device[device] = inv_scale.to(device, non_blocking=True)
-            if device.type in FUSED_KERNEL_DEVICES:
+            if caps(device).amp_kernels:
                 torch._amp_foreach_non_finite_check_and_unscale_(grads, found, inv)
                 if check_output:
                     _any_non_finite_(grads, found)
@@ -101,7 +102,7 @@ def _any_non_finite_(grads: list[torch.Tensor], found: torch.Tensor) -> None:
     """``found = max(found, any non-finite value in grads)`` with a read-only pass."""
     if not grads:
         return
-    if grads[0].device.type in FUSED_KERNEL_DEVICES:
+    if caps(grads[0].device).amp_kernels:
         # inv_scale == 1 makes the fused kernel a pure check (values are left as they are).
         one = torch.ones((), dtype=torch.float32, device=found.device)
         torch._amp_foreach_non_finite_check_and_unscale_(grads, found, one)

@@ -1,14 +1,69 @@
-"""The constructor's two call forms: torch 2's ``GradScaler(device, init_scale, ...)`` and the
-torch.cuda.amp 1.5's ``GradScaler(init_scale, growth_factor, ...)`` (no device)."""
+"""The constructor's two call forms and the frozen settings they produce.
+
+torch 2's ``GradScaler(device, init_scale, ...)`` and torch.cuda.amp 1.5's
+``GradScaler(init_scale, growth_factor, ...)`` (no device) bind to the same names; the values are
+validated into a :class:`Settings` before the scaler exists.
+"""
 
 from __future__ import annotations
 
+import dataclasses
 import inspect
+from dataclasses import dataclass
 from typing import Any
 
 import torch
 
+from mixprec._src.scaling.config import ScalerConfig, integer
 from mixprec.errors import ConfigError
+
+#: The most history entries kept (two tensors of this many elements on the scale's device).
+MAX_HISTORY = 1_000_000
+
+
+@dataclass(frozen=True)
+class Settings:
+    """Everything a GradScaler was built with, except the process group (not a setting: it is
+    neither saved nor pickled).
+
+    Attributes:
+        config: the update rule's settings.
+        enabled: ``False`` makes every method a pass-through.
+        history: iterations of scale history kept, ``0 <= history <= MAX_HISTORY``.
+        device: the ``device`` argument's type, for messages (the scale lives where the outputs
+            are).
+    """
+
+    config: ScalerConfig
+    enabled: bool = True
+    history: int = 0
+    device: str | None = None
+
+    def with_config(self, **changes: Any) -> Settings:
+        """A copy with a validated new config (the original is untouched). Host sync: none."""
+        return dataclasses.replace(self, config=self.config.with_(**changes))
+
+
+def settings_from(args: tuple[Any, ...], kwargs: dict[str, Any]) -> tuple[Settings, Any]:
+    """``(settings, process_group)`` from the constructor's arguments, validated.
+
+    Raises:
+        TypeError: unknown or repeated arguments (as Python would).
+        ConfigError: a value of the wrong type or out of range.
+    """
+    bound = bind_constructor_args(args, kwargs)
+    enabled = bound.pop("enabled")
+    if not isinstance(enabled, bool):
+        raise ConfigError(f"enabled must be a bool, got {enabled!r}.")
+    device = parse_device(bound.pop("device"))
+    group = bound.pop("process_group")
+    history = bound.pop("history")
+    if isinstance(history, bool) or not isinstance(history, int) or history < 0:
+        raise ConfigError(f"history must be an int >= 0 (entries kept), got {history!r}.")
+    history = integer("history", history, 0, MAX_HISTORY)
+    config = ScalerConfig(**bound)
+    kind = None if device is None else device.type
+    return Settings(config=config, enabled=enabled, history=history, device=kind), group
 
 
 def _torch_form(

@@ -1,15 +1,20 @@
-"""Frozen, validated scaler settings.
+"""Frozen, validated scaler settings, and the number checks every input goes through.
 
 Every bad value raises :class:`~mixprec.errors.ConfigError` naming the setting, the value and the
-allowed range; setters on the scaler go through the same checks (``dataclasses.replace``).
+allowed range; setters on the scaler go through the same checks (``dataclasses.replace``). The
+scale and its bounds are float32 values: they are rounded to float32 here, exactly as torch rounds
+a Python float it writes into a float32 tensor, so that the host and the device never disagree.
 """
 
 from __future__ import annotations
 
 import math
 import numbers
+import struct
 from dataclasses import dataclass, replace
 from typing import Any
+
+import torch
 
 from mixprec.errors import ConfigError
 
@@ -17,33 +22,70 @@ from mixprec.errors import ConfigError
 FP32_TINY = 2.0**-126
 #: Largest finite float32.
 FP32_MAX = 3.4028234663852886e38
+#: Largest values of the int32 tracker/streak tensors and of the int64 counters.
+INT32_MAX = 2**31 - 1
+INT64_MAX = 2**63 - 1
 
 
-def _number(name: str, value: Any) -> float:
+def to_f32(value: float) -> float:
+    """Round a Python float to the nearest float32 (inf when it overflows), as ``fill_`` does."""
+    try:
+        return float(struct.unpack("f", struct.pack("f", value))[0])
+    except OverflowError:
+        return math.copysign(math.inf, value)
+
+
+def show(value: Any) -> str:
+    """``repr(value)``, shortened for messages (a 400-digit int stays readable)."""
+    text = repr(value)
+    return text if len(text) <= 40 else text[:37] + "..."
+
+
+def real(name: str, value: Any) -> float:
+    """``value`` as a finite float (Python and numpy numbers; not bools, strings or tensors).
+
+    Raises:
+        ConfigError: not a real number, or not finite (huge ints included).
+    """
     if isinstance(value, bool) or not isinstance(value, numbers.Real):
-        raise ConfigError(f"{name} must be a real number, got {value!r} ({type(value).__name__}).")
-    value = float(value)
-    if not math.isfinite(value):
-        raise ConfigError(f"{name} must be finite, got {value!r}.")
-    return value
+        raise ConfigError(
+            f"{name} must be a real number, got {show(value)} ({type(value).__name__})."
+        )
+    try:
+        number = float(value)
+    except (OverflowError, ValueError):
+        number = math.inf
+    if not math.isfinite(number):
+        raise ConfigError(f"{name} must be finite, got {show(value)}.")
+    return number
 
 
-def _integer(name: str, value: Any, minimum: int) -> int:
+def integer(name: str, value: Any, minimum: int, maximum: int = INT64_MAX) -> int:
+    """``value`` as an int in ``[minimum, maximum]`` (Python and numpy ints; not bools).
+
+    Raises:
+        ConfigError: not an int, or out of range.
+    """
     if isinstance(value, bool) or not isinstance(value, numbers.Integral):
         raise ConfigError(
-            f"{name} must be an int >= {minimum}, got {value!r} ({type(value).__name__})."
+            f"{name} must be an int >= {minimum}, got {show(value)} ({type(value).__name__})."
         )
-    if value < minimum:
-        raise ConfigError(f"{name} must be an int >= {minimum}, got {value}.")
-    return int(value)
+    number = int(value)
+    if number < minimum:
+        raise ConfigError(f"{name} must be an int >= {minimum}, got {show(value)}.")
+    if number > maximum:
+        raise ConfigError(f"{name} must be an int <= {maximum}, got {show(value)}.")
+    return number
 
 
 @dataclass(frozen=True)
 class ScalerConfig:
     """The settings of a :class:`~mixprec.GradScaler`, checked on construction.
 
+    The scale and its bounds are rounded to float32 (the dtype of the scale).
+
     Attributes:
-        init_scale: first scale, finite and > 0.
+        init_scale: first scale, a normal float32 (>= 2**-126, so ``1/scale`` stays finite).
         growth_factor: multiplier after ``growth_interval`` clean iterations, > 1.
         backoff_factor: multiplier after an overflow, in (0, 1).
         growth_interval: clean iterations needed before a growth, an int >= 1.
@@ -57,6 +99,8 @@ class ScalerConfig:
     Example:
         >>> ScalerConfig(init_scale=1024.0, growth_interval=100).growth_interval
         100
+        >>> ScalerConfig(init_scale=1000.1).init_scale  # the nearest float32
+        1000.0999755859375
     """
 
     init_scale: float = 2.0**16
@@ -70,37 +114,47 @@ class ScalerConfig:
 
     def __post_init__(self) -> None:
         setattr_ = object.__setattr__
-        init = _number("init_scale", self.init_scale)
+        init = real("init_scale", self.init_scale)
         if not 0 < init <= FP32_MAX:
             raise ConfigError(f"init_scale must be in (0, {FP32_MAX:g}] (a float32), got {init}.")
-        growth = _number("growth_factor", self.growth_factor)
+        if init < FP32_TINY:
+            raise ConfigError(
+                f"init_scale must be at least {FP32_TINY:g}, the smallest normal float32 "
+                f"(1/scale must stay finite), got {init}."
+            )
+        growth = real("growth_factor", self.growth_factor)
         if growth <= 1.0:
             raise ConfigError(f"growth_factor must be > 1.0, got {growth}.")
-        backoff = _number("backoff_factor", self.backoff_factor)
+        backoff = real("backoff_factor", self.backoff_factor)
         if not 0.0 < backoff < 1.0:
             raise ConfigError(f"backoff_factor must be in the open range (0, 1), got {backoff}.")
-        setattr_(self, "init_scale", init)
+        setattr_(self, "init_scale", to_f32(init))
         setattr_(self, "growth_factor", growth)
         setattr_(self, "backoff_factor", backoff)
-        setattr_(self, "growth_interval", _integer("growth_interval", self.growth_interval, 1))
-        setattr_(self, "hysteresis", _integer("hysteresis", self.hysteresis, 1))
+        setattr_(self, "growth_interval", integer("growth_interval", self.growth_interval, 1))
+        setattr_(self, "hysteresis", integer("hysteresis", self.hysteresis, 1, INT32_MAX))
         if self.max_consecutive_skips is not None:
-            _integer("max_consecutive_skips", self.max_consecutive_skips, 1)
+            skips = integer("max_consecutive_skips", self.max_consecutive_skips, 1, INT32_MAX)
+            setattr_(self, "max_consecutive_skips", skips)
         self._check_bounds()
 
     def _check_bounds(self) -> None:
         low, high = self.min_scale, self.max_scale
         if low is not None:
-            low = _number("min_scale", low)
+            low = real("min_scale", low)
             if low < FP32_TINY:
                 raise ConfigError(
                     f"min_scale must be >= {FP32_TINY:g} (the smallest normal float32), got {low}."
                 )
+            if low > FP32_MAX:
+                raise ConfigError(f"min_scale must be a finite float32, got {low}.")
+            low = to_f32(low)
             object.__setattr__(self, "min_scale", low)
         if high is not None:
-            high = _number("max_scale", high)
+            high = real("max_scale", high)
             if not FP32_TINY <= high <= FP32_MAX:
                 raise ConfigError(f"max_scale must be a finite float32 > 0, got {high}.")
+            high = to_f32(high)
             object.__setattr__(self, "max_scale", high)
         if low is not None and high is not None and low > high:
             raise ConfigError(f"min_scale ({low}) must not exceed max_scale ({high}).")
@@ -116,6 +170,11 @@ class ScalerConfig:
         return FP32_TINY if self.min_scale is None else self.min_scale
 
     @property
+    def ceiling(self) -> float:
+        """The largest scale the rule allows."""
+        return FP32_MAX if self.max_scale is None else self.max_scale
+
+    @property
     def is_torch_rule(self) -> bool:
         """True when the update is exactly torch's ``_amp_update_scale_`` (plus the floor)."""
         return self.hysteresis == 1 and self.max_scale is None
@@ -123,3 +182,46 @@ class ScalerConfig:
     def with_(self, **changes: Any) -> ScalerConfig:
         """A validated copy with ``changes`` applied (the original is untouched)."""
         return replace(self, **changes)
+
+
+def validated_new_scale(
+    value: Any, device: torch.device, config: ScalerConfig
+) -> float | torch.Tensor:
+    """``update(new_scale)``'s argument, checked: a float within the bounds, or a 1-element
+    real tensor on the scale's device type (checked for range too when it is on the CPU).
+
+    Raises:
+        ConfigError: anything else (names the value and what to pass).
+
+    Host sync: none (a CPU tensor is read from host memory).
+    """
+    if isinstance(value, torch.Tensor):
+        if value.numel() != 1 or value.requires_grad or value.is_complex():
+            raise ConfigError(
+                "new_scale must be a float or a 1-element tensor (real, requires_grad=False), "
+                f"got a {value.dtype} tensor of shape {tuple(value.shape)} "
+                f"(requires_grad={value.requires_grad})."
+            )
+        if value.device.type != device.type:
+            raise ConfigError(
+                f"new_scale is on {value.device} but the scale lives on {device}; pass "
+                f"new_scale.to('{device}') or a float."
+            )
+        if value.is_cpu:
+            validated_new_scale(value.item(), device, config)
+        return value.reshape(())
+    if isinstance(value, bool) or not isinstance(value, numbers.Real):
+        raise ConfigError(
+            f"new_scale must be a float, an int, a 1-element tensor or the optimizer, got "
+            f"{type(value).__name__}."
+        )
+    try:
+        number = float(value)
+    except OverflowError:
+        number = math.inf
+    if not config.floor <= number <= config.ceiling:
+        raise ConfigError(
+            f"new_scale must be finite and within [{config.floor:g}, {config.ceiling:g}] (the "
+            f"scaler's bounds), got {show(value)}."
+        )
+    return number

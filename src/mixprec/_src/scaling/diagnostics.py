@@ -44,15 +44,24 @@ def low_precision_message(refs: Sequence[ParamRef]) -> str:
     )
 
 
-def no_inf_checks_message(context: str, missing: Sequence[ParamRef]) -> str:
-    """``step`` or ``update`` found nothing checked for inf/NaN."""
+def no_inf_checks_message(context: str, missing: Sequence[ParamRef], *optimizers: object) -> str:
+    """``step`` or ``update`` found nothing checked for inf/NaN; says why, truly."""
     if missing:
         detail = (
             f"None of the optimizer's {len(missing)} parameter(s) has a .grad: "
             f"{describe_params(missing)}."
         )
     else:
-        detail = "The optimizer has no parameters."
+        groups = [g for o in optimizers for g in getattr(o, "param_groups", [])]
+        count = sum(len(g["params"]) for g in groups)
+        if count == 0:
+            detail = "The optimizer has no parameters."
+        else:
+            detail = (
+                f"Its {count} parameter(s) were never checked: an optimizer written to torch's "
+                "legacy fused contract (step(closure=None, grad_scaler=None)) must call "
+                "grad_scaler._check_inf_per_device(self) in its step()."
+            )
     return (
         f"No inf checks were recorded {context}. {detail} Make sure the loss was scaled and "
         "backward() ran before step() (scaler.scale(loss).backward()), that the optimizer was "

@@ -1,68 +1,52 @@
-"""GradScaler: a thin shell that sequences the iteration and delegates the arithmetic.
+"""GradScaler: one class composed of the parts it owns; it sequences the iteration.
 
-The pure parts live beside it: the settings (``config``), the update rule (``rule``), the phases of
-each optimizer (``phases``), the host's view of the scale (``telemetry``), state-dict validation
-(``state``), the messages (``diagnostics``) and the passes over gradients (``kernels``).
+The parts (``docs/internals.md`` draws them): the frozen settings (:mod:`.args`), where the scale
+is (:mod:`.state`), where a phase changes (:mod:`.phases`), telemetry (:mod:`.telemetry`) and
+distributed agreement (:mod:`mixprec._src.dist`). :mod:`.engine` runs the passes over gradients
+on them and is the internal interface of closures (:mod:`.closure`) and ``JoinableScaler``
+(:mod:`.join`). Three groups of methods are defined in their own modules and bound into the
+class by name (no inheritance): clipping (:mod:`.clipping`), the signals users read
+(:mod:`.signals`) and torch's private API (:mod:`.compat`); they too use only the engine.
 """
 
 from __future__ import annotations
 
 import warnings
-import weakref
-from collections.abc import Iterable, Mapping
+from collections.abc import Mapping
 from typing import Any
 
 import torch
 
-from mixprec._src.kernels.plan import GradPlan, plan_grads
-from mixprec._src.kernels.unscale import check_finite_, unscale_grads_
-from mixprec._src.scaling import diagnostics
-from mixprec._src.scaling.args import SIGNATURE
-from mixprec._src.scaling.checks import (
-    has_uninitialised_state,
-    takes_grad_scaler,
-    validated_new_scale,
-)
-from mixprec._src.scaling.clipping import ClippingMixin
-from mixprec._src.scaling.closure import split_closure, step_with_closure
-from mixprec._src.scaling.phases import OptimizerRecord, OptState
-from mixprec._src.scaling.rule import ScaleState, to_f32, update_scale_, write_host_update_
-from mixprec._src.scaling.signals import ScalerSignals
-from mixprec._src.scaling.telemetry import (
-    UpdateEvent,
-)
-from mixprec.errors import (
-    ConfigError,
-    LowPrecisionGradError,
-    MissingGradError,
-    ScalerStateError,
-)
+from mixprec._src import optim
+from mixprec._src.dist.agree import DistState, validate_group
+from mixprec._src.scaling import clipping, compat, signals
+from mixprec._src.scaling.args import SIGNATURE, Settings, settings_from
+from mixprec._src.scaling.checkpoint import export_state, parse_state_dict
+from mixprec._src.scaling.closure import step_with_closure
+from mixprec._src.scaling.config import ScalerConfig, validated_new_scale
+from mixprec._src.scaling.engine import Engine, sum_on
+from mixprec._src.scaling.nested import scale_nested
+from mixprec._src.scaling.phases import PhaseTable
+from mixprec._src.scaling.rule import Values
+from mixprec._src.scaling.state import ScaleState
+from mixprec._src.scaling.telemetry import Telemetry
 
 _Optimizer = torch.optim.Optimizer
 
 
-def _sum_on(found_infs: list[torch.Tensor], device: torch.device) -> torch.Tensor:
-    """Overflow flags from several devices combined on ``device`` (non-zero: overflow)."""
-    total = found_infs[0].to(device, non_blocking=True)
-    for other in found_infs[1:]:
-        total = total + other.to(device, non_blocking=True)
-    return total
-
-
-class GradScaler(ClippingMixin, ScalerSignals):
+class GradScaler:
     """Dynamic loss scaling, a drop-in for ``torch.amp.GradScaler`` on every device.
 
     Both call forms work: torch 2's ``GradScaler("cuda", init_scale, growth_factor,
     backoff_factor, growth_interval, enabled)`` and torch.cuda.amp 1.5's
     ``GradScaler(init_scale, growth_factor, backoff_factor, growth_interval, enabled)``. The scale
     lives on the device of the first tensor passed to :meth:`scale`, whatever ``device`` says, so
-    a scaler never disables itself: ``GradScaler("cuda")`` on a machine without CUDA scales the
-    CPU tensors it is given, for real. With default settings the scale trajectory, the skipped
+    a scaler never disables itself. With default settings the scale trajectory, the skipped
     steps and the parameters are bit-identical to torch's.
 
     Args:
         device: accepted for compatibility; where the scale lives is decided by the outputs.
-        init_scale: first scale, in (0, float32 max].
+        init_scale: first scale, a normal float32 (rounded to float32 as torch rounds it).
         growth_factor: multiplier after ``growth_interval`` clean iterations, > 1.
         backoff_factor: multiplier after an overflowing iteration, in (0, 1).
         growth_interval: clean iterations before a growth, an int >= 1.
@@ -72,12 +56,12 @@ class GradScaler(ClippingMixin, ScalerSignals):
         hysteresis: keyword-only; back off only on the N-th consecutive overflowing iteration.
         max_consecutive_skips: keyword-only; raise
             :class:`~mixprec.errors.ScaleCollapseError` on the N-th consecutive skipped iteration.
+        history: keyword-only; iterations of scale history kept (at most 1,000,000).
         process_group: keyword-only ``torch.distributed`` group the grads are sharded over
             (FSDP1, ZeRO, tensor parallel): its ranks agree on every skip with one MAX
-            all-reduce of the found-inf flag per optimizer per iteration, and
-            ``clip_grad_norm_`` sums norms over it. Not for DDP (replicated grads); detected
-            for DTensor (FSDP2) grads. Not saved in state dicts or pickles. See
-            ``docs/distributed.md``.
+            all-reduce per optimizer per iteration, and ``clip_grad_norm_`` sums norms over it.
+            Not for DDP (replicated grads); detected for DTensor (FSDP2) grads. Not saved in
+            state dicts or pickles. See ``docs/distributed.md``.
 
     Example:
         >>> import torch, mixprec
@@ -94,60 +78,44 @@ class GradScaler(ClippingMixin, ScalerSignals):
 
     __signature__ = SIGNATURE
 
-    # ------------------------------------------------------------------ scale
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        settings, group = settings_from(args, kwargs)
+        self._settings: Settings = settings
+        self._state = ScaleState(Values(settings.config.init_scale))
+        self._phases = PhaseTable()
+        self._telemetry = Telemetry(settings.history)
+        self._dist = DistState(validate_group(group))
+        self._engine = Engine(self._state, self._phases, self._telemetry, self._dist)
+
+    # ------------------------------------------------------------------ the iteration
 
     def scale(self, outputs: Any) -> Any:
         """Multiply a tensor, or a nested list/tuple/dict/iterable of tensors, by the scale.
 
-        Lists, tuples (named ones too) and dicts keep their type; other iterables come back as a
-        list. The scale is created on the device of the first tensor met; outputs on other
-        devices are multiplied by a copy on their own device. As in torch, a 0-d fp16 loss
-        becomes fp32 (type promotion with the fp32 scale).
+        Lists, tuples (named ones too), dicts, ``OrderedDict``/``defaultdict`` and mappings that
+        rebuild from a dict keep their type; other iterables come back as a list. The scale is
+        created on the device of the first tensor met; outputs on other devices are multiplied
+        by a copy on their own device. As in torch, a 0-d fp16 loss becomes fp32.
 
         Raises:
-            ConfigError: a leaf is not a tensor (numbers, strings and ``None`` are rejected).
+            ConfigError: a leaf is not a tensor, or a container cannot be rebuilt (its type
+                named), or the first tensor is on the meta device.
 
         Host sync: none.
         """
-        if not self._enabled:
+        if not self._settings.enabled:
             return outputs
-        return self._scale_nested(outputs)
-
-    def _scale_nested(self, value: Any) -> Any:
-        if isinstance(value, torch.Tensor):
-            return value * self._scale_on(value.device)
-        if isinstance(value, Mapping):
-            return type(value)({k: self._scale_nested(v) for k, v in value.items()})  # type: ignore[call-arg]
-        if isinstance(value, (str, bytes)) or not isinstance(value, Iterable):
-            raise ConfigError(
-                "outputs must be a Tensor or an iterable of Tensors; found a "
-                f"{type(value).__name__} ({value!r:.60}). Scale the loss tensor itself, e.g. "
-                "scaler.scale(loss).backward()."
-            )
-        scaled = [self._scale_nested(v) for v in value]
-        if isinstance(value, tuple) and hasattr(value, "_fields"):
-            return type(value)(*scaled)
-        if isinstance(value, (list, tuple)):
-            return type(value)(scaled)
+        scaled = scale_nested(outputs, self._state.scale_on)
+        self._phases.note_scaled(scaled)
         return scaled
-
-    def _scale_on(self, device: torch.device) -> torch.Tensor:
-        cached = self._per_device_cache.get(device)
-        if cached is None:
-            state = self._lazy_init(device)
-            cached = state.scale.to(device, non_blocking=True)
-            self._per_device_cache[device] = cached
-        return cached
-
-    # ------------------------------------------------------------------ unscale
 
     def unscale_(self, optimizer: _Optimizer) -> None:
         """Divide the optimizer's gradients by the scale, in place, and check them for inf/NaN.
 
         Call it between ``backward`` and ``step`` when the gradients must be read or changed
-        unscaled (clipping); ``step`` does it otherwise. Call it at most once per optimizer per
-        iteration. Overflow created by the division itself (possible when the scale is below
-        1) is detected too, which torch misses.
+        unscaled; ``step`` does it otherwise. At most once per optimizer per iteration. Overflow
+        created by the division itself (possible when the scale is below 1) is detected too,
+        which torch misses.
 
         Raises:
             ScalerStateError: no ``scale()`` yet, or already unscaled/stepped this iteration.
@@ -155,250 +123,271 @@ class GradScaler(ClippingMixin, ScalerSignals):
 
         Host sync: none.
         """
-        if not self._enabled:
+        if not self._settings.enabled:
             return
-        self._require_state("unscale_")
-        record = self._phases.check_can_unscale(optimizer)
-        self._unscale_into(optimizer, record)
-
-    def _unscale_into(self, optimizer: _Optimizer, record: OptimizerRecord) -> GradPlan:
-        plan, group, agree = self._dist.prepare(plan_grads(optimizer))
-        if plan.low_precision:
-            raise LowPrecisionGradError(diagnostics.low_precision_message(plan.low_precision))
-        unscale_grads_(
-            plan,
-            self._get_inv_scale(),
-            record.found_inf_per_device,
-            check_output=self._mirror.scale_may_be_below_one,
-        )
-        if agree:  # one all-reduce per optimizer per iteration (mixprec._src.dist)
-            self._dist.agree_(record.found_inf_per_device, group, self._get_inv_scale().device)
-        record.mark_unscaled(optimizer, plan.missing)
-        return plan
-
-    def _unscale_for_step(self, optimizer: _Optimizer, record: OptimizerRecord) -> None:
-        """``step``'s implicit unscale. Without any grad nothing was done: the optimizer stays
-        READY, so that a retry after ``backward()`` unscales."""
-        self._unscale_into(optimizer, record)
-        if not record.found_inf_per_device:
-            record.stage = OptState.READY
-
-    # ------------------------------------------------------------------ step
+        self._engine.require_scale("unscale_")
+        self._engine.unscale(optimizer, self._phases.begin_unscale(optimizer))
 
     def step(self, optimizer: _Optimizer, *args: Any, **kwargs: Any) -> Any:
         """Unscale (unless :meth:`unscale_` already did) and step, unless a grad is inf/NaN.
 
-        Returns ``optimizer.step(*args, **kwargs)``'s value, or ``None`` when the step was
-        skipped. A skipped step leaves the parameters and the optimizer's state exactly as they
-        were. Optimizers that declare ``_step_supports_amp_scaling`` (torch's ``fused=True``
-        ones) get ``grad_scale``/``found_inf`` and skip inside their kernel, as with torch; on
-        their first step (state not yet created), mixprec reads the overflow flag once so that a
-        skipped first step does not leave half-created state (torch's fused SGD keeps an
-        uninitialised momentum buffer there).
-
-        A closure (``step(optimizer, closure)`` or ``closure=``), which must run
-        ``scaler.scale(loss).backward()``, may be evaluated several times (LBFGS, SAM): each
-        evaluation's gradients are unscaled and checked, the optimizer gets the unscaled loss,
-        and an overflow in any evaluation skips the step and restores the parameters and the
-        optimizer's state (see :mod:`mixprec._src.scaling.closure`, which also states the memory
-        cost).
+        Returns ``optimizer.step(*args, **kwargs)``'s value, or ``None`` when skipped. A skipped
+        step leaves the parameters and the optimizer's state as they were. Optimizers that
+        declare ``_step_supports_amp_scaling`` (torch's ``fused=True`` ones) get ``grad_scale``/
+        ``found_inf`` and skip inside their kernel, as with torch (on their first step mixprec
+        reads the flag once, so that a skipped first step cannot leave half-created state); those
+        written to torch's legacy contract get ``grad_scaler=self``. A closure (``step(opt,
+        closure)`` or ``closure=``), which must call ``scaler.scale(loss).backward()``, may be
+        evaluated several times (LBFGS, SAM): each evaluation is unscaled and checked, and an
+        overflow skips the step and restores everything (``docs/closures.md``).
 
         Raises:
             ScalerStateError: no ``scale()`` yet, or stepped twice.
             MissingGradError: none of the optimizer's parameters has a grad (names them).
 
         Host sync: one per call for non-fused optimizers (to decide whether to call
-        ``optimizer.step``); none for fused ones, except on their first step; with a closure,
-        one per closure evaluation.
+        ``optimizer.step``); none for fused ones after their first step; with a closure, one per
+        closure evaluation.
         """
-        if not self._enabled:
+        if not self._settings.enabled:
             return optimizer.step(*args, **kwargs)
-        call = split_closure(args, kwargs)
+        call = optim.split_closure(args, kwargs)
         if call is not None:
-            return step_with_closure(self, optimizer, call)
-        self._require_state("step")
-        record = self._phases.check_can_step(optimizer)
-        if getattr(optimizer, "_step_supports_amp_scaling", False):
-            return self._step_fused(optimizer, record, args, kwargs)
-        if record.stage is OptState.READY:
-            self._unscale_for_step(optimizer, record)
-        found_inf = self._sum_found_inf(record, optimizer)
-        self._note_step(optimizer, found_inf)
-        record.skipped = bool(found_inf.item() != 0)
-        record.stage = OptState.STEPPED  # before the call: if it raises, a retry is refused
-        return None if record.skipped else optimizer.step(*args, **kwargs)
-
-    def _sum_found_inf(self, record: OptimizerRecord, optimizer: _Optimizer) -> torch.Tensor:
-        found = list(record.found_inf_per_device.values())
-        if not found:
-            raise MissingGradError(
-                diagnostics.no_inf_checks_message("for this optimizer", record.missing)
-            )
-        return _sum_on(found, self._require_state("step").scale.device)
-
-    def _step_fused(
-        self,
-        optimizer: _Optimizer,
-        record: OptimizerRecord,
-        args: tuple[Any, ...],
-        kwargs: dict[str, Any],
-    ) -> Any:
-        if takes_grad_scaler(optimizer):
-            return self._step_legacy_fused(optimizer, record, args, kwargs)
-        if record.stage is OptState.READY and self._mirror.scale_may_be_below_one:
-            self._unscale_for_step(optimizer, record)  # the kernel's division could overflow
-        scale_device = self._require_state("step").scale.device
-        if record.stage is OptState.READY:
-            plan, group, agree = self._dist.prepare(plan_grads(optimizer))
-            check_finite_(plan, record.found_inf_per_device)
-            record.mark_checked(optimizer, plan.missing)
-            if agree:
-                self._dist.agree_(record.found_inf_per_device, group, scale_device)
-        found_inf = self._sum_found_inf(record, optimizer)
-        scale = self._require_state("step").scale
-        if record.stage is OptState.UNSCALED:
-            grad_scale = getattr(optimizer, "grad_scale", None)
-        else:
-            grad_scale = scale * getattr(optimizer, "grad_scale", 1)
-        record.stage = OptState.STEPPED
-        self._note_step(optimizer, found_inf)
-        if has_uninitialised_state(optimizer):
-            record.skipped = bool(found_inf.item() != 0)
-            if record.skipped:
-                return None
-        optimizer.grad_scale = grad_scale  # type: ignore[attr-defined]
-        optimizer.found_inf = found_inf  # type: ignore[attr-defined]
-        try:
-            return optimizer.step(*args, **kwargs)
-        finally:
-            del optimizer.grad_scale  # type: ignore[attr-defined]
-            del optimizer.found_inf  # type: ignore[attr-defined]
-
-    def _step_legacy_fused(
-        self,
-        optimizer: _Optimizer,
-        record: OptimizerRecord,
-        args: tuple[Any, ...],
-        kwargs: dict[str, Any],
-    ) -> Any:
+            return step_with_closure(self._engine, optimizer, call)
+        self._engine.require_scale("step")
+        record = self._phases.begin_step(optimizer)
+        if not getattr(optimizer, "_step_supports_amp_scaling", False):
+            return self._engine.step_plain(optimizer, record, args, kwargs)
+        if not optim.takes_grad_scaler(optimizer):
+            return self._engine.step_fused(optimizer, record, args, kwargs)
         warnings.warn(
             "GradScaler is going to stop passing itself as a keyword argument to the passed "
             "optimizer. In the near future GradScaler registers `grad_scale: Tensor` and "
             "`found_inf: Tensor` to the passed optimizer and let the optimizer use them directly.",
             FutureWarning,
-            stacklevel=3,
+            stacklevel=2,
         )
-        kwargs = {**kwargs, "grad_scaler": self}
-        result = optimizer.step(*args, **kwargs)
-        record.stage = OptState.STEPPED
-        if record.found_inf_per_device:
-            self._note_step(optimizer, self._sum_found_inf(record, optimizer))
-        return result
-
-    def _note_step(self, optimizer: _Optimizer, found_inf: torch.Tensor) -> None:
-        self._phases.get(optimizer).optimizer = weakref.ref(optimizer)
-        self._step_skips[id(optimizer)] = found_inf  # non-zero: skipped (compared when read)
-
-    # ------------------------------------------------------------------ update
+        return self._engine.step_legacy(optimizer, record, args, kwargs, self)
 
     def update(self, new_scale: float | torch.Tensor | _Optimizer | None = None) -> None:
         """End the iteration: back off after an overflow, grow after enough clean iterations.
 
-        ``new_scale`` may be a float/int or a 1-element tensor to set the scale directly (the
-        growth counter is kept), or, as some pages on ``GradScaler.update`` write it, the
-        optimizer that stepped this iteration: ``update(optimizer)`` is ``update()`` after
-        checking that this optimizer was unscaled or stepped since the last update.
+        ``new_scale`` may be a number or a 1-element tensor to set the scale directly (rounded to
+        float32; the growth tracker is kept), or, as some pages on ``GradScaler.update`` write it,
+        the optimizer that stepped: ``update(optimizer)`` is ``update()`` after checking that this
+        optimizer was unscaled or stepped since the last update.
 
         Raises:
             MissingGradError: nothing was unscaled or stepped since the last update.
             ScalerStateError: no ``scale()`` yet.
-            ConfigError: ``new_scale`` is not finite and > 0, or a bad tensor.
+            ConfigError: ``new_scale`` is not finite and within the bounds, or a bad tensor.
 
         Host sync: none (one when ``max_consecutive_skips`` is set and the iteration's outcome
         is not already known on the host, i.e. fused optimizers off the CPU).
         """
-        if not self._enabled:
+        if not self._settings.enabled:
             return
         if isinstance(new_scale, _Optimizer) or hasattr(new_scale, "param_groups"):
-            self._check_update_optimizer(new_scale)
+            self._phases.require_touched(new_scale)
             new_scale = None
-        state = self._require_state("update")
+        scale = self._engine.require_scale("update")
+        config = self._settings.config
         if new_scale is not None:  # a bad value raises before the iteration ends (as torch)
-            validated_new_scale(new_scale, state.scale.device, self._config)
+            value = validated_new_scale(new_scale, scale.device, config)
         try:
             if new_scale is not None:
-                self._set_scale(state, new_scale)
+                self._state.set_scale(value)
             else:
-                self._apply_rule(state)
+                self._apply_rule(config)
         finally:
             self._end_iteration()
 
-    def _check_update_optimizer(self, optimizer: Any) -> None:
-        record = self._phases.peek(optimizer)
-        if record is None or record.stage is OptState.READY:
-            raise ScalerStateError(
-                "update(optimizer) was given an optimizer that was neither unscaled nor stepped "
-                "since the last update(). Call scaler.step(optimizer) (or "
-                "scaler.unscale_(optimizer)) first, or call scaler.update() with no argument."
-            )
-
-    def _advance_state(
-        self, state: ScaleState, total: torch.Tensor, overflow: bool | None
-    ) -> torch.Tensor:
-        """Apply the rule to ``state`` and the host mirror; return the scale used this iteration.
-
-        On the CPU (outside torch.compile) the host is the device: the rule runs on Python
-        numbers and the results are written into the tensors. Elsewhere it runs on the device.
-        """
-        before = self._mirror.exact
-        if state.scale.is_cpu and before is not None and not torch.compiler.is_compiling():
-            if overflow is None:
-                overflow = bool(total.item() != 0)
-            used = state.scale.clone() if self._history.capacity else state.scale
-            after = before.advance(overflow, self._config)
-            write_host_update_(state, before, after)
-            self._mirror.set_exact(after)
-            if after.scale != before.scale:
-                self._inv_scale = None
-            return used
-        # The floor clamp is needed only when one backoff could take the scale near it.
-        near_floor = self._mirror.lower_bound * self._config.backoff_factor < 4 * self._config.floor
-        used = update_scale_(state, total, self._config, clamp=near_floor)
-        self._mirror.advance(state, overflow, self._config, total)
-        self._inv_scale = None
-        return used
-
-    def _set_scale(self, state: ScaleState, new_scale: float | torch.Tensor) -> None:
-        value = validated_new_scale(new_scale, state.scale.device, self._config)
-        self._inv_scale = None
-        if isinstance(value, torch.Tensor):
-            state.scale.copy_(value)
-            self._mirror.set_scale(None if value.device.type != "cpu" else value.item())
-        else:
-            state.scale.fill_(value)
-            self._mirror.set_scale(to_f32(value))
-
-    def _apply_rule(self, state: ScaleState) -> None:
-        records = self._phases.records()
-        found = [f for r in records for f in r.found_inf_per_device.values()]
-        if not records:
-            raise MissingGradError(
-                "No inf checks were recorded prior to update(): no optimizer was unscaled or "
-                "stepped since the last update(). Call scaler.step(optimizer) before "
-                "scaler.update(), and update() once per iteration."
-            )
-        if not found:
-            missing = [ref for r in records for ref in r.missing]
-            raise MissingGradError(diagnostics.no_inf_checks_message("prior to update", missing))
-        total = _sum_on(found, state.scale.device)
+    def _apply_rule(self, config: ScalerConfig) -> None:
+        records = self._phases.require_any_checked()
+        device = self._engine.require_scale("update").device
+        total = sum_on([f for r in records for f in r.found_inf_per_device.values()], device)
         skipped = [r.skipped for r in records]
         overflow = None if None in skipped else any(skipped)
-        used_scale = self._advance_state(state, total, overflow)
-        iteration = self._next_iteration(state)  # compile-safe, see ScalerCore._next_iteration
-        self._last_iteration_skip = total  # non-zero: skipped (compared when read)
-        if self._hooks or self._history.capacity:
-            event = UpdateEvent(iteration, state.scale, total, total != 0)
-            self._history.record(iteration, used_scale, event.skipped)
-            for hook in list(self._hooks.values()):
-                hook(self, event)
-        self._watch(state, records)
+        events = self._telemetry.wants_events
+        used = self._state.advance(
+            total, overflow, config, keep=self._telemetry.history.capacity > 0
+        )
+        iteration = self._state.count_iteration(needed=events)
+        tensors = self._state.tensors
+        assert tensors is not None
+        self._telemetry.after_update(self, iteration, tensors.scale, used, total)
+        limit = config.max_consecutive_skips
+        values = self._state.host_view
+        if values is None and limit is not None:
+            values = self._state.values()  # the limit must be checked now: read the device
+        if values is not None:
+            optimizers = self._phases.stepped()
+            self._telemetry.watch(values.scale, values.overflow_streak, limit, optimizers)
+
+    def reset_iteration(self) -> None:
+        """Abandon the current iteration after an exception: every optimizer is READY again.
+
+        Use it when something raised between ``scale()`` and ``update()`` and the batch is to be
+        skipped: the scale, the growth tracker and the counters are left as they were. The
+        gradients are not touched: zero them before the next backward. Call ``update()`` instead
+        to count the iteration. A no-op between iterations and when disabled.
+
+        Example:
+            >>> import torch, mixprec
+            >>> model = torch.nn.Linear(2, 1)
+            >>> opt = torch.optim.SGD(model.parameters(), lr=0.1)
+            >>> scaler = mixprec.GradScaler()
+            >>> scaler.scale(model(torch.ones(1, 2)).sum()).backward()
+            >>> scaler.unscale_(opt)
+            >>> scaler.reset_iteration()  # e.g. in an ``except`` around the training step
+            >>> opt.zero_grad()
+
+        Host sync: none.
+        """
+        self._end_iteration()
+
+    def _end_iteration(self) -> None:
+        self._dist.end_iteration()
+        self._phases.end_iteration()
+
+    # ------------------------------------------------------------------ bound from their modules
+
+    # Clipping (mixprec._src.scaling.clipping): unscale fused with clipping.
+    clip_grad_norm_ = clipping.clip_grad_norm_
+    clip_grad_value_ = clipping.clip_grad_value_
+    # Signals (mixprec._src.scaling.signals): skips, counters, history, hooks, diagnosis.
+    last_step_skipped = signals.last_step_skipped
+    last_step_skipped_async = signals.last_step_skipped_async
+    stats = signals.stats
+    history = signals.history
+    register_update_hook = signals.register_update_hook
+    diagnose = signals.diagnose
+    # torch.amp.GradScaler's private methods that libraries call (mixprec._src.scaling.compat).
+    _lazy_init_scale_growth_tracker = compat.lazy_init_scale_growth_tracker
+    _get_scale_async = compat.get_scale_async
+    _get_growth_tracker = compat.get_growth_tracker
+    _check_inf_per_device = compat.check_inf_per_device
+    _found_inf_per_device = compat.found_inf_per_device
+    _scale = property(compat.get_scale_async)
+    _growth_tracker = property(compat.growth_tracker_tensor)
+
+    # ------------------------------------------------------------------ settings
+
+    def get_scale(self) -> float:
+        """The current scale as a Python float (1.0 when disabled).
+
+        Host sync: one, when the scale lives on an accelerator and the host lost track of it.
+        """
+        return self._state.values().scale if self._settings.enabled else 1.0
+
+    def get_growth_factor(self) -> float:
+        """The growth factor. Host sync: none."""
+        return self._settings.config.growth_factor
+
+    def set_growth_factor(self, new_factor: float) -> None:
+        """Set the growth factor (> 1). Raises ConfigError otherwise. Host sync: none."""
+        self._settings = self._settings.with_config(growth_factor=new_factor)
+
+    def get_backoff_factor(self) -> float:
+        """The backoff factor. Host sync: none."""
+        return self._settings.config.backoff_factor
+
+    def set_backoff_factor(self, new_factor: float) -> None:
+        """Set the backoff factor (in (0, 1)). Raises ConfigError otherwise. Host sync: none."""
+        self._settings = self._settings.with_config(backoff_factor=new_factor)
+
+    def get_growth_interval(self) -> int:
+        """The growth interval. Host sync: none."""
+        return self._settings.config.growth_interval
+
+    def set_growth_interval(self, new_interval: int) -> None:
+        """Set the growth interval (an int >= 1). Raises ConfigError otherwise.
+
+        Clean iterations already counted beyond the new interval are capped at one short of it,
+        so the scale grows at the next clean iteration (torch's kernel compares with ``==`` and
+        would not grow again for 2**31 iterations).
+
+        Host sync: none.
+        """
+        self._settings = self._settings.with_config(growth_interval=new_interval)
+        self._state.cap_tracker(self._settings.config.growth_interval - 1)
+
+    def is_enabled(self) -> bool:
+        """Whether this scaler scales. Host sync: none."""
+        return self._settings.enabled
+
+    @property
+    def config(self) -> ScalerConfig:
+        """The current settings (frozen; change them through the setters). Host sync: none."""
+        return self._settings.config
+
+    @property
+    def process_group(self) -> Any:
+        """The group the grads are sharded over, whose ranks agree on every skip (None: no
+        agreement unless the grads are DTensors; DDP needs none). Not saved in state dicts or
+        pickles: set it again after unpickling.
+
+        Raises:
+            ConfigError: (setter) not None or a ``torch.distributed.ProcessGroup``.
+
+        Host sync: none.
+        """
+        return self._dist.group
+
+    @process_group.setter
+    def process_group(self, group: Any) -> None:
+        self._dist.group = validate_group(group)
+
+    # ------------------------------------------------------------------ checkpoints
+
+    def state_dict(self) -> dict[str, Any]:
+        """torch's five keys (``scale``, ``growth_factor``, ``backoff_factor``,
+        ``growth_interval``, ``_growth_tracker``) plus mixprec's own; ``{}`` when disabled.
+
+        Loads into ``torch.amp.GradScaler`` too (torch ignores the extra keys).
+
+        Host sync: one, when the scale lives on an accelerator and the host lost track of it.
+        """
+        if not self._settings.enabled:
+            return {}
+        return export_state(self._settings.config, self._state.values())
+
+    def load_state_dict(self, state_dict: Mapping[str, Any]) -> None:
+        """Load a state dict from :meth:`state_dict` or from ``torch.amp.GradScaler``.
+
+        Everything is validated before anything changes. Works before the first ``scale()``
+        (the values go into the tensors created then). A no-op when disabled.
+
+        Raises:
+            ConfigError: empty dict, missing keys, or values of the wrong type or range (also
+                values the scaler's state tensors could not hold).
+            ScalerStateError: called mid-iteration: ``scale()`` was called, or an optimizer was
+                unscaled or stepped, with the current scale (torch silently mixes the two). Call
+                ``update()`` or :meth:`reset_iteration` first.
+
+        Host sync: none.
+        """
+        if not self._settings.enabled:
+            return
+        config, values = parse_state_dict(state_dict, self._settings.config)
+        self._phases.require_between_iterations("load_state_dict")
+        self._settings = Settings(config, True, self._settings.history, self._settings.device)
+        self._state.load(values)
+        self._end_iteration()
+
+    def __getstate__(self) -> dict[str, Any]:
+        if self._settings.enabled:
+            self._phases.require_between_iterations("pickle")
+        return {
+            "settings": self._settings,
+            "values": self._state.values(),
+            "telemetry": self._telemetry,  # without hooks and skip flags (see Telemetry)
+        }
+
+    def __setstate__(self, state: dict[str, Any]) -> None:
+        self._settings = state["settings"]
+        self._state = ScaleState(state["values"])
+        self._phases = PhaseTable()
+        self._telemetry = state["telemetry"]
+        self._dist = DistState()  # process groups do not pickle; set it again
+        self._engine = Engine(self._state, self._phases, self._telemetry, self._dist)

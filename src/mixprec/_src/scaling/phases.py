@@ -1,20 +1,30 @@
-"""Per-optimizer phase of an iteration and its transitions.
+"""Where a phase changes: each optimizer's phase in the current iteration, and every misuse error.
 
 ``READY --unscale_--> UNSCALED --step--> STEPPED`` and ``READY --step--> STEPPED``; ``update()``
-puts every optimizer back to READY. This module is the one place that raises misuse errors about
-the order of calls, each message saying what happened and what to do instead.
+(or ``reset_iteration()``) puts every optimizer back to READY. :class:`PhaseTable` is the only
+code that assigns a phase, and this module the only one that raises the errors about the order of
+calls (:class:`~mixprec.errors.ScalerStateError`, :class:`~mixprec.errors.MissingGradError`), each
+message saying what happened and what to do instead.
+
+The table also knows whether ``scale()`` was called in this iteration (the gradients being
+computed are then scaled with the current scale, so a checkpoint must not be loaded), and lends
+a recorder to closures that need to know what ``scale()`` returned.
 """
 
 from __future__ import annotations
 
 import enum
 import weakref
+from collections.abc import Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass, field
+from typing import Any, NoReturn
 
 import torch
 
 from mixprec._src.kernels.plan import ParamRef
-from mixprec.errors import ConfigError, ScalerStateError
+from mixprec._src.scaling import diagnostics
+from mixprec.errors import ConfigError, MissingGradError, ScalerStateError
 
 
 class OptState(enum.Enum):
@@ -30,11 +40,13 @@ class OptimizerRecord:
     """What the scaler knows about one optimizer in the current iteration.
 
     Attributes:
-        stage: the optimizer's phase.
+        stage: the optimizer's phase (assigned by :class:`PhaseTable` only).
         found_inf_per_device: one 0-d float32 tensor per grad device; non-zero means overflow.
         skipped: whether the last step was skipped, once known on the host (None until then).
         missing: parameters without a grad when the grads were last checked (for messages).
         optimizer: a weak reference to the optimizer, for diagnostics.
+        deferred: a clip coefficient that the next step applies (``clip_grad_norm_(...,
+            in_step=True)``): the grads are checked but still scaled and unclipped.
     """
 
     stage: OptState = OptState.READY
@@ -42,16 +54,7 @@ class OptimizerRecord:
     skipped: bool | None = None
     missing: list[ParamRef] = field(default_factory=list)
     optimizer: weakref.ref[torch.optim.Optimizer] | None = None
-
-    def mark_checked(self, optimizer: torch.optim.Optimizer, missing: list[ParamRef]) -> None:
-        """Remember which optimizer this is and which of its parameters had no grad."""
-        self.missing = missing
-        self.optimizer = weakref.ref(optimizer)
-
-    def mark_unscaled(self, optimizer: torch.optim.Optimizer, missing: list[ParamRef]) -> None:
-        """The optimizer's grads were unscaled (by ``unscale_`` or a clipping call)."""
-        self.stage = OptState.UNSCALED
-        self.mark_checked(optimizer, missing)
+    deferred: torch.Tensor | None = None
 
 
 class PhaseTable:
@@ -59,46 +62,69 @@ class PhaseTable:
 
     def __init__(self) -> None:
         self._records: dict[int, OptimizerRecord] = {}
+        self._scaled = False
+        self._recorder: list[Any] | None = None
+
+    # ------------------------------------------------------------------ queries
 
     def __len__(self) -> int:
         return len(self._records)
-
-    def get(self, optimizer: object) -> OptimizerRecord:
-        """The optimizer's record, created READY on first use."""
-        return self._records.setdefault(id(optimizer), OptimizerRecord())
 
     def peek(self, optimizer: object) -> OptimizerRecord | None:
         """The optimizer's record if it was touched this iteration, else None."""
         return self._records.get(id(optimizer))
 
+    def get(self, optimizer: object) -> OptimizerRecord:
+        """The optimizer's record, created READY on first use."""
+        return self._records.setdefault(id(optimizer), OptimizerRecord())
+
     def records(self) -> list[OptimizerRecord]:
         """All records of this iteration, in the order the optimizers were first touched."""
         return list(self._records.values())
 
-    def clear(self) -> None:
-        """Every optimizer back to READY (the end of an iteration)."""
-        self._records.clear()
+    def stepped(self) -> list[torch.optim.Optimizer]:
+        """The live optimizers stepped or unscaled this iteration."""
+        refs = [r.optimizer for r in self._records.values() if r.optimizer is not None]
+        return [o for o in (ref() for ref in refs) if o is not None]
 
-    def check_can_unscale(self, optimizer: object) -> OptimizerRecord:
-        """The record, after checking that ``unscale_`` is allowed now."""
-        _check_optimizer(optimizer, "unscale_")
+    # ------------------------------------------------------------------ transitions
+
+    def note_scaled(self, output: Any) -> None:
+        """``scale()`` returned ``output``: the iteration has begun."""
+        self._scaled = True
+        if self._recorder is not None:
+            self._recorder.append(output)
+
+    @contextmanager
+    def recording(self) -> Iterator[list[Any]]:
+        """Collect what ``scale()`` returns inside the block (a closure evaluation)."""
+        outer, self._recorder = self._recorder, []
+        try:
+            yield self._recorder
+        finally:
+            self._recorder = outer
+
+    def begin_unscale(self, optimizer: object, what: str = "unscale_") -> OptimizerRecord:
+        """The record, after checking that unscaling it (``unscale_``, a clip) is allowed now."""
+        _check_optimizer(optimizer, what)
         record = self.get(optimizer)
+        prefix = "" if what == "unscale_" else f"{what}() unscales the gradients, so: "
         if record.stage is OptState.UNSCALED:
             raise ScalerStateError(
-                "unscale_() has already been called on this optimizer since the last update(). "
-                "Unscale each optimizer at most once per iteration, after all its gradients "
-                "have been accumulated; with gradient accumulation call unscale_() only on the "
-                "iteration that steps."
+                f"{prefix}unscale_() has already been called on this optimizer since the last "
+                "update(). Unscale each optimizer at most once per iteration, after all its "
+                "gradients have been accumulated; with gradient accumulation call unscale_() "
+                "only on the iteration that steps."
             )
         if record.stage is OptState.STEPPED:
             raise ScalerStateError(
-                "unscale_() is being called after step() for this optimizer. step() already "
-                "unscaled its gradients; call unscale_() before step(), or call update() first "
-                "to start a new iteration."
+                f"{prefix}unscale_() is being called after step() for this optimizer. step() "
+                "already unscaled its gradients; call unscale_() before step(), or call update() "
+                "first to start a new iteration."
             )
         return record
 
-    def check_can_step(self, optimizer: object) -> OptimizerRecord:
+    def begin_step(self, optimizer: object) -> OptimizerRecord:
         """The record, after checking that ``step`` is allowed now."""
         _check_optimizer(optimizer, "step")
         record = self.get(optimizer)
@@ -109,6 +135,140 @@ class PhaseTable:
                 "optimizer."
             )
         return record
+
+    def mark_checked(
+        self, record: OptimizerRecord, optimizer: torch.optim.Optimizer, missing: list[ParamRef]
+    ) -> None:
+        """The grads were checked (not unscaled); remember which parameters had none."""
+        record.missing = missing
+        record.optimizer = weakref.ref(optimizer)
+
+    def mark_unscaled(
+        self,
+        record: OptimizerRecord,
+        optimizer: torch.optim.Optimizer,
+        missing: list[ParamRef],
+        deferred: torch.Tensor | None = None,
+    ) -> None:
+        """The grads were unscaled (``unscale_``, a clip), or checked with a deferred clip."""
+        record.stage = OptState.UNSCALED
+        record.deferred = deferred
+        self.mark_checked(record, optimizer, missing)
+
+    def mark_stepped(
+        self, record: OptimizerRecord, optimizer: torch.optim.Optimizer, skipped: bool | None
+    ) -> None:
+        """The optimizer was stepped (or its step skipped); a retry is refused."""
+        record.stage = OptState.STEPPED
+        record.skipped = skipped
+        record.deferred = None
+        record.optimizer = weakref.ref(optimizer)
+
+    def reopen(self, record: OptimizerRecord) -> None:
+        """READY again: a step found nothing to unscale, or a closure is evaluated anew."""
+        record.stage = OptState.READY
+
+    def shadow(self, key: object, found_inf: torch.Tensor) -> None:
+        """A stepped record for a Join shadow iteration: the ranks' agreed flag."""
+        record = self.get(key)
+        record.found_inf_per_device = {found_inf.device: found_inf}
+        record.stage = OptState.STEPPED
+        record.skipped = bool(found_inf.item() != 0)
+
+    def end_iteration(self) -> None:
+        """Every optimizer back to READY (``update()``, ``reset_iteration()``, a load)."""
+        self._records.clear()
+        self._scaled = False
+
+    # ------------------------------------------------------------------ misuse errors
+
+    def require_scale(self, exists: bool, method: str) -> None:
+        """Refuse ``method`` before the first ``scale()``."""
+        if not exists:
+            raise ScalerStateError(diagnostics.no_scale_message(method))
+
+    def require_checked(self, record: OptimizerRecord, optimizer: object) -> None:
+        """Refuse to step an optimizer none of whose grads was checked."""
+        if not record.found_inf_per_device:
+            raise MissingGradError(
+                diagnostics.no_inf_checks_message("for this optimizer", record.missing, optimizer)
+            )
+
+    def require_any_checked(self) -> list[OptimizerRecord]:
+        """The records, after checking that ``update()`` has something to count."""
+        records = self.records()
+        if not records:
+            raise MissingGradError(
+                "No inf checks were recorded prior to update(): no optimizer was unscaled or "
+                "stepped since the last update(). Call scaler.step(optimizer) before "
+                "scaler.update(), and update() once per iteration."
+            )
+        if not any(r.found_inf_per_device for r in records):
+            missing = [ref for r in records for ref in r.missing]
+            optimizers = [r.optimizer() for r in records if r.optimizer is not None]
+            raise MissingGradError(
+                diagnostics.no_inf_checks_message("prior to update", missing, *optimizers)
+            )
+        return records
+
+    def require_touched(self, optimizer: object) -> None:
+        """``update(optimizer)``: that optimizer must have been unscaled or stepped."""
+        record = self.peek(optimizer)
+        if record is None or record.stage is OptState.READY:
+            raise ScalerStateError(
+                "update(optimizer) was given an optimizer that was neither unscaled nor stepped "
+                "since the last update(). Call scaler.step(optimizer) (or "
+                "scaler.unscale_(optimizer)) first, or call scaler.update() with no argument."
+            )
+
+    def require_between_iterations(self, what: str) -> None:
+        """Refuse ``load_state_dict`` (or a copy) in the middle of an iteration."""
+        happened = self._what_happened()
+        if what == "load_state_dict" and happened is None and self._scaled:
+            happened = "scale() was already called: the gradients are scaled with the current scale"
+        if happened is None:
+            return
+        if what == "load_state_dict":
+            raise ScalerStateError(
+                f"load_state_dict() was called mid-iteration ({happened}). Load checkpoints "
+                "between iterations: call scaler.update() or scaler.reset_iteration() first."
+            )
+        raise ScalerStateError(
+            "A GradScaler can only be pickled or copied at the beginning of an iteration or "
+            f"after update(); this one is mid-iteration ({happened}). Call scaler.update() first."
+        )
+
+    def _what_happened(self) -> str | None:
+        if any(r.stage is not OptState.READY for r in self._records.values()):
+            return "an optimizer was already unscaled or stepped with the current scale"
+        if self._records:
+            return "an optimizer was already passed to step() or unscale_(), which raised"
+        return None
+
+    def require_step_seen(self, flag: Any, optimizer: object | None) -> None:
+        """``last_step_skipped()`` needs a step to report on."""
+        if flag is None:
+            raise ScalerStateError(
+                "last_step_skipped() was called before any scaler.step() of "
+                + ("this optimizer." if optimizer is not None else "any optimizer.")
+            )
+
+    def refuse_unscaled_closure(self) -> NoReturn:
+        """A closure evaluation returned without calling ``scaler.scale()``."""
+        raise ScalerStateError(
+            "The closure given to scaler.step(optimizer, closure) did not call scaler.scale(): "
+            "its gradients are not scaled. Inside the closure write "
+            "scaler.scale(loss).backward() instead of loss.backward()."
+        )
+
+    def refuse_ignored_closure(self, optimizer: object) -> NoReturn:
+        """The optimizer's ``step`` returned without calling the closure."""
+        raise ScalerStateError(
+            f"{type(optimizer).__name__}.step() did not call the closure passed to "
+            "scaler.step(optimizer, closure), so its gradients were never unscaled; the step was "
+            "undone. Compute the loss before stepping and call scaler.step(optimizer) without "
+            "a closure for this optimizer."
+        )
 
 
 def _check_optimizer(optimizer: object, method: str) -> None:

@@ -1,137 +1,279 @@
-"""State-dict validation and conversion, shared by load_state_dict and pickling.
+"""Where the scale is: the one owner of the scale and of everything derived from it.
 
-A state dict has torch's five keys with torch's meaning (so checkpoints move both ways between
-``torch.amp.GradScaler`` and mixprec) plus mixprec's own, which torch ignores when loading.
-Everything is validated before anything changes.
+:class:`ScaleState` holds the scale, the growth tracker, the overflow streak and the counters, and
+every value derived from them: ``1/scale``, the copies of the scale on other devices, the host's
+view and the number of the current iteration. Nothing else in mixprec stores any of them. They
+change in exactly three ways, each a method here: the rule (:meth:`ScaleState.advance`), a scale
+set by the user (:meth:`ScaleState.set_scale`) and a loaded checkpoint (:meth:`ScaleState.load`);
+each ends in :meth:`ScaleState._changed`, which drops what was derived from the old values.
+
+Before the first ``scale()`` the values are Python numbers. ``scale()`` creates tensors on the
+device of its first output (:meth:`ScaleState.materialize`); from then on the tensors are the
+truth and the host keeps a *view*:
+
+* where tensors live in host memory (the CPU, see :mod:`mixprec._src.devices`), the rule runs on
+  the host view (:func:`~mixprec._src.scaling.rule.advance_values`) and is written into the
+  tensors: the view is always exact;
+* elsewhere the rule runs on the device (:func:`~mixprec._src.scaling.rule.advance_tensors_`),
+  and the view follows it with the same rule whenever the host learns the iteration's outcome
+  (a non-fused ``step`` reads it anyway). When it cannot (fused optimizers), the view is dropped
+  and only a lower bound on the scale is kept, until something reads the tensors again
+  (:meth:`ScaleState.values`). Reading gives the exact values, so it never changes the
+  trajectory.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import math
-import numbers
-from collections.abc import Mapping
-from dataclasses import dataclass
 from typing import Any
 
 import torch
 
-from mixprec._src.scaling.config import FP32_MAX, ScalerConfig
+from mixprec._src.devices import caps
+from mixprec._src.scaling.config import ScalerConfig, to_f32
+from mixprec._src.scaling.rule import (
+    Tensors,
+    Values,
+    advance_tensors_,
+    advance_values,
+    write_advance_,
+)
 from mixprec.errors import ConfigError
 
-TORCH_KEYS = ("scale", "growth_factor", "backoff_factor", "growth_interval", "_growth_tracker")
+# Backoff products are rounded to float32; shrinking the bound a little more keeps it a bound.
+_ROUNDING_MARGIN = 1.0 - 2.0**-20
 
 
-@dataclass(frozen=True)
-class LoadedState:
-    """A validated state dict: the new settings and the values to put in the tensors."""
-
-    config: ScalerConfig
-    scale: float
-    growth_tracker: int
-    overflow_streak: int
-    counters: list[int]
+def _compiling() -> bool:
+    return torch.compiler.is_compiling()
 
 
-def _scalar(key: str, value: Any) -> float:
-    if isinstance(value, torch.Tensor):
-        if value.numel() != 1:
-            raise ConfigError(f"state_dict[{key!r}] must hold one number, got shape {value.shape}.")
-        value = value.item()
-    if isinstance(value, bool) or not isinstance(value, numbers.Real):
-        raise ConfigError(
-            f"state_dict[{key!r}] must be a number, got {value!r} ({type(value).__name__})."
-        )
-    return float(value)
+class ScaleState:
+    """The scale, growth tracker, overflow streak and counters, and their derived values."""
 
+    def __init__(self, values: Values) -> None:
+        self._tensors: Tensors | None = None
+        self._host_memory = True
+        # The host's exact view (None: unknown); before materialize() it is the truth.
+        self._host: Values | None = values
+        self._bound = values.scale  # the scale is known to be >= this
+        self._below_one = values.scale < 1.0  # a bool for dynamo to guard on (see below)
+        self._iterations: int | None = values.counters[0]
+        self._inv: torch.Tensor | None = None
+        self._copies: dict[torch.device, torch.Tensor] = {}
 
-def _count(key: str, value: Any) -> int:
-    number = _scalar(key, value)
-    if not number.is_integer() or number < 0:
-        raise ConfigError(f"state_dict[{key!r}] must be an int >= 0, got {value!r}.")
-    return int(number)
+    # ------------------------------------------------------------------ creating, reading
 
+    @property
+    def tensors(self) -> Tensors | None:
+        """The device tensors, or None before the first ``scale()``. Host sync: none."""
+        return self._tensors
 
-def parse_state_dict(state_dict: Any, current: ScalerConfig) -> LoadedState:
-    """Validate ``state_dict`` completely and return what loading it would set.
+    def materialize(self, device: torch.device) -> Tensors:
+        """The tensors, created on ``device`` if they do not exist yet.
 
-    Raises:
-        ConfigError: not a mapping, a missing torch key, or a value of the wrong type or range.
-            Nothing has been changed when it raises.
-    """
-    if not isinstance(state_dict, Mapping):
-        raise ConfigError(
-            f"load_state_dict expects a dict from GradScaler.state_dict(), got "
-            f"{type(state_dict).__name__}."
-        )
-    if not state_dict:
-        raise ConfigError(
-            "The source state dict is empty, possibly because it was saved from a disabled "
-            "GradScaler (enabled=False). Load a state dict saved from an enabled scaler, or "
-            "start from the constructor's settings."
-        )
-    missing = [key for key in TORCH_KEYS if key not in state_dict]
-    if missing:
-        raise ConfigError(
-            f"The state dict lacks {missing}; it has {sorted(state_dict)}. Pass the dict "
-            "returned by GradScaler.state_dict() (torch's or mixprec's)."
-        )
-    scale = _scalar("scale", state_dict["scale"])
-    if not (math.isfinite(scale) and 0 < scale <= FP32_MAX):
-        raise ConfigError(f"state_dict['scale'] must be finite and > 0, got {scale}.")
-    config = _config_from(state_dict, current)
-    scale = min(max(scale, config.floor), config.max_scale or FP32_MAX)
-    counters = state_dict.get("_counters", [0, 0, 0, 0])
-    if not isinstance(counters, (list, tuple)) or len(counters) != 4:
-        raise ConfigError(f"state_dict['_counters'] must be a list of 4 ints, got {counters!r}.")
-    return LoadedState(
-        config=config,
-        scale=scale,
-        # Capped like set_growth_interval does: at or past the interval, torch's kernel
-        # (``tracker + 1 == interval``) would never grow again; this grows at the next clean one.
-        growth_tracker=min(
-            _count("_growth_tracker", state_dict["_growth_tracker"]), config.growth_interval - 1
-        ),
-        overflow_streak=_count("_overflow_streak", state_dict.get("_overflow_streak", 0)),
-        counters=[_count("_counters", c) for c in counters],
-    )
+        Raises:
+            ConfigError: ``device`` is the meta device (the scale would hold no data).
 
+        Host sync: none.
+        """
+        if self._tensors is None:
+            if device.type == "meta":
+                raise ConfigError(
+                    "scale() got a tensor on the 'meta' device, which holds no data: the scale "
+                    "cannot live there. Materialize the model (e.g. model.to_empty(device=...) "
+                    "and load its weights) before the first scale()."
+                )
+            assert self._host is not None  # exact until tensors exist
+            self._tensors = Tensors.create(self._host, device)
+            self._host_memory = caps(device).host_memory
+        return self._tensors
 
-def _config_from(state_dict: Mapping[str, Any], current: ScalerConfig) -> ScalerConfig:
-    def optional(key: str, default: float | None) -> float | None:
-        value = state_dict.get(key, default)
-        return None if value is None else _scalar(key, value)
+    def values(self) -> Values:
+        """The exact values (read from the device when the host has lost track of them).
 
-    interval = _scalar("growth_interval", state_dict["growth_interval"])
-    if not interval.is_integer():
-        raise ConfigError(f"state_dict['growth_interval'] must be an int, got {interval}.")
-    hysteresis = _scalar("hysteresis", state_dict.get("hysteresis", current.hysteresis))
-    if not hysteresis.is_integer():
-        raise ConfigError(f"state_dict['hysteresis'] must be an int, got {hysteresis}.")
-    low = optional("min_scale", current.min_scale)
-    high = optional("max_scale", current.max_scale)
-    return ScalerConfig(
-        init_scale=min(max(current.init_scale, low or 0.0), high or FP32_MAX),
-        growth_factor=_scalar("growth_factor", state_dict["growth_factor"]),
-        backoff_factor=_scalar("backoff_factor", state_dict["backoff_factor"]),
-        growth_interval=int(interval),
-        min_scale=low,
-        max_scale=high,
-        hysteresis=int(hysteresis),
-        max_consecutive_skips=current.max_consecutive_skips,
-    )
+        Host sync: one when the host view is unknown and the tensors are not in host memory.
+        """
+        if self._host is None:
+            assert self._tensors is not None
+            self._known(self._tensors.read(), changed=False)
+            assert self._host is not None
+        return self._host
 
+    @property
+    def host_view(self) -> Values | None:
+        """The exact values if the host knows them without reading the device. Host sync: none."""
+        return self._host
 
-def export_state(config: ScalerConfig, values: LoadedState) -> dict[str, Any]:
-    """The state dict for ``config`` and the tensors' current ``values``."""
-    return {
-        "scale": values.scale,
-        "growth_factor": config.growth_factor,
-        "backoff_factor": config.backoff_factor,
-        "growth_interval": config.growth_interval,
-        "_growth_tracker": values.growth_tracker,
-        "min_scale": config.min_scale,
-        "max_scale": config.max_scale,
-        "hysteresis": config.hysteresis,
-        "_overflow_streak": values.overflow_streak,
-        "_counters": list(values.counters),
-    }
+    def scale_on(self, device: torch.device) -> torch.Tensor:
+        """The scale on ``device`` (the scale itself on its own device; a cached copy elsewhere).
+
+        Host sync: none.
+        """
+        copy = self._copies.get(device)
+        if copy is None:
+            copy = self.materialize(device).scale.to(device, non_blocking=True)
+            self._copies[device] = copy
+        return copy
+
+    def inv_scale(self) -> torch.Tensor:
+        """``float32(1 / float64(scale))`` as torch computes it, kept until the scale changes.
+
+        Host sync: none.
+        """
+        if self._inv is None:
+            assert self._tensors is not None
+            scale = self._tensors.scale
+            self._inv = scale.to(caps(scale.device).wide_float).reciprocal().float()
+        return self._inv
+
+    @property
+    def may_be_below_one(self) -> bool:
+        """True unless the host can prove ``scale >= 1`` (then ``1/scale`` cannot overflow).
+
+        Kept as a bool for code that torch.compile traces: dynamo guards on what it reads, and
+        a bool has two values where the bound has one per scale (one recompile each).
+
+        Host sync: none.
+        """
+        return self._below_one
+
+    # ------------------------------------------------------------------ the three writers
+
+    def advance(
+        self, found_inf: torch.Tensor, overflow: bool | None, config: ScalerConfig, keep: bool
+    ) -> torch.Tensor:
+        """Apply the rule for one iteration; return the scale used during it.
+
+        Args:
+            found_inf: the iteration's combined overflow flag on the scale's device.
+            overflow: the outcome, when the host already knows it (else None).
+            config: the rule's settings.
+            keep: return a copy of the old scale (for history) rather than the live tensor.
+
+        Host sync: none (on the host path the flag is read from host memory).
+        """
+        tensors, before = self._tensors, self._host
+        assert tensors is not None
+        if self._host_memory and before is not None and not _compiling():
+            if overflow is None:
+                overflow = bool(found_inf.item() != 0)
+            used = tensors.scale.clone() if keep else tensors.scale
+            after = advance_values(before, overflow, config)
+            write_advance_(tensors, before, after)
+            self._known(after, changed=after.scale != before.scale)
+            return used
+        # The floor clamp is needed only when one backoff could take the scale near it.
+        near_floor = self._bound * config.backoff_factor < 4 * config.floor
+        used = advance_tensors_(tensors, found_inf, config, clamp=near_floor)
+        self._follow(overflow, config)
+        return used
+
+    def _follow(self, overflow: bool | None, config: ScalerConfig) -> None:
+        """The host view after a device-side update.
+
+        Under ``torch.compile`` the view neither reads the device (``tolist`` would break the
+        graph) nor follows the rule on Python numbers (dynamo would guard on their values and
+        recompile every iteration): it is dropped, keeping only the floor as a bound, until
+        something outside the compiled region reads the device again.
+        """
+        if _compiling():
+            self._unknown(config.floor)
+        elif overflow is not None and self._host is not None:
+            self._known(advance_values(self._host, overflow, config), changed=True)
+        elif self._host_memory:
+            assert self._tensors is not None
+            self._known(self._tensors.read(), changed=True)
+        else:
+            self._unknown(max(self._bound * config.backoff_factor * _ROUNDING_MARGIN, config.floor))
+
+    def set_scale(self, value: float | torch.Tensor) -> None:
+        """Set the scale (``update(new_scale)``), keeping the tracker, streak and counters.
+
+        A float is rounded to float32 as ``fill_`` rounds it; a tensor is cast by ``copy_``
+        exactly as torch casts it. Call with a validated value.
+
+        Host sync: none off the host (in host memory the new scale is read back: free).
+        """
+        tensors = self._tensors
+        assert tensors is not None
+        if isinstance(value, torch.Tensor):
+            tensors.scale.copy_(value)
+            if self._host_memory:
+                scale = float(tensors.scale.item())
+            else:
+                self._unknown(0.0)  # not validated off the host: anything is possible
+                return
+        else:
+            scale = to_f32(value)
+            tensors.scale.fill_(scale)
+        if self._host is None:
+            self._unknown(scale)
+        else:
+            self._known(dataclasses.replace(self._host, scale=scale), changed=True)
+
+    def load(self, values: Values) -> None:
+        """Replace every value (a validated checkpoint). Host sync: none."""
+        if self._tensors is not None:
+            self._tensors.write(values)
+        self._iterations = values.counters[0]
+        self._known(values, changed=True)
+
+    def cap_tracker(self, cap: int) -> None:
+        """Lower the growth tracker to at most ``cap`` (a shortened growth interval).
+
+        Host sync: none.
+        """
+        if self._tensors is not None:
+            self._tensors.growth_tracker.clamp_(max=cap)
+        if self._host is not None and self._host.growth_tracker > cap:
+            self._host = dataclasses.replace(self._host, growth_tracker=cap)
+
+    # ------------------------------------------------------------------ bookkeeping
+
+    def count_iteration(self, needed: bool) -> int:
+        """The number of the update just applied (the counters already count it).
+
+        Under ``torch.compile``, reading a Python counter makes dynamo guard on its value, which
+        recompiles every iteration. When nobody needs the number there (``needed`` False: no
+        hook, no history), the host copy is dropped (``-1`` is returned) and re-read from the
+        device counters by the next eager update.
+
+        Host sync: one, on the first eager update after compiled ones.
+        """
+        if _compiling() and not needed:
+            self._iterations = None
+            return -1
+        if self._iterations is None:
+            assert self._tensors is not None
+            self._iterations = int(self._tensors.counters[0].item()) - 1
+        self._iterations += 1
+        return self._iterations
+
+    def _known(self, values: Values, changed: bool) -> None:
+        self._host = values
+        self._set_bound(values.scale)
+        if changed:
+            self._changed()
+
+    def _unknown(self, bound: float) -> None:
+        self._host = None
+        self._set_bound(bound)
+        self._changed()
+
+    def _set_bound(self, bound: float) -> None:
+        self._bound = bound
+        self._below_one = not bound >= 1.0 or math.isnan(bound)
+
+    def _changed(self) -> None:
+        """The scale may have changed: drop everything derived from it."""
+        self._inv = None
+        self._copies.clear()
+
+    def __getstate__(self) -> dict[str, Any]:
+        """Only the values travel; tensors are re-created by the next ``scale()``."""
+        return {"values": self.values()}
+
+    def __setstate__(self, state: dict[str, Any]) -> None:
+        self.__init__(state["values"])  # type: ignore[misc]

@@ -1,25 +1,24 @@
-"""What the host knows about the scale without reading the device, and the counters users read.
+"""What a user reads from a scaler besides the scale: skip flags, counters, history, update hooks,
+and the warnings and errors about a collapsing scale.
 
-The device tensors (:class:`~mixprec._src.scaling.rule.ScaleState`) are the truth. The host
-keeps a mirror (:class:`~mixprec._src.scaling.rule.HostScale`) that stays exact as long as it
-learns whether each iteration overflowed; a non-fused ``step`` reads that anyway, and on the CPU
-the device *is* the host, so reading costs nothing. When an iteration's outcome is unknown
-(fused optimizers on an accelerator), the mirror turns into a lower bound on the scale,
-refreshed the next time something reads the device.
+The value types (:class:`ScalerStats`, :class:`HistoryEntry`, :class:`UpdateEvent`) are public
+through :mod:`mixprec.types`; :class:`Telemetry` is the GradScaler's part that keeps them.
 """
 
 from __future__ import annotations
 
-import math
+import warnings
+from collections import OrderedDict
+from collections.abc import Callable
 from dataclasses import dataclass
+from typing import Any
 
 import torch
+from torch.utils.hooks import RemovableHandle
 
-from mixprec._src.scaling.config import ScalerConfig
-from mixprec._src.scaling.rule import HostScale, ScaleState
-
-# Backoff products are rounded to float32; shrinking the bound a little more keeps it a bound.
-_ROUNDING_MARGIN = 1.0 - 2.0**-20
+from mixprec._src.scaling import diagnostics
+from mixprec._src.scaling.rule import Values
+from mixprec.errors import ConfigError, ScaleCollapseError, ScaleCollapseWarning
 
 
 @dataclass(frozen=True)
@@ -43,88 +42,6 @@ class ScalerStats:
     growths: int
     backoffs: int
     scale: float
-
-
-class HostMirror:
-    """The host's view of the scale: exact when possible, else a lower bound."""
-
-    def __init__(self, scale: float, growth_tracker: int, overflow_streak: int) -> None:
-        self.exact: HostScale | None = HostScale(scale, growth_tracker, overflow_streak)
-        self.lower_bound = scale
-
-    @property
-    def lower_bound(self) -> float:
-        """A value the scale is known to be >= (exact when :attr:`exact` is set)."""
-        return self._lower_bound
-
-    @lower_bound.setter
-    def lower_bound(self, value: float) -> None:
-        self._lower_bound = value
-        # Kept as a bool for code that torch.compile traces: dynamo guards on what it reads,
-        # and a bool has two values where the bound has one per scale (one recompile each).
-        self._below_one = not value >= 1.0 or math.isnan(value)
-
-    def resync(self, state: ScaleState) -> HostScale:
-        """Read the device state (one host sync off the CPU) and make the mirror exact."""
-        values = torch.stack(
-            [state.scale.double(), state.growth_tracker.double(), state.overflow_streak.double()]
-        ).tolist()
-        self.exact = HostScale(values[0], int(values[1]), int(values[2]))
-        self.lower_bound = self.exact.scale
-        return self.exact
-
-    def advance(
-        self,
-        state: ScaleState,
-        overflow: bool | None,
-        config: ScalerConfig,
-        found_inf: torch.Tensor | None = None,
-    ) -> None:
-        """Follow one update: exactly if ``overflow`` is known or the state lives on the CPU.
-
-        On the CPU an unknown ``overflow`` is read from ``found_inf`` (host memory: no sync,
-        about a microsecond), which is cheaper than reading the whole state back.
-
-        Under ``torch.compile`` the mirror neither reads the device (``tolist`` would break the
-        graph) nor follows the rule on Python numbers (dynamo would guard on their values and
-        recompile every iteration): it forgets the scale, keeping only the floor as a bound,
-        until something outside the compiled region reads the device again.
-        """
-        if torch.compiler.is_compiling():
-            self.exact = None
-            self.lower_bound = config.floor
-        elif overflow is None and state.scale.is_cpu and found_inf is not None:
-            self.advance(state, bool(found_inf.item() != 0), config)
-        elif overflow is not None and self.exact is not None:
-            self.exact = self.exact.advance(overflow, config)
-            self.lower_bound = self.exact.scale
-        elif state.scale.is_cpu:
-            self.resync(state)
-        else:
-            self.exact = None
-            shrunk = self.lower_bound * config.backoff_factor * _ROUNDING_MARGIN
-            self.lower_bound = max(shrunk, config.floor)
-
-    def set_exact(self, exact: HostScale) -> None:
-        """The host computed the state itself (the CPU rule): the mirror is that state."""
-        self.exact = exact
-        self.lower_bound = exact.scale
-
-    def set_scale(self, scale: float | None) -> None:
-        """After ``update(new_scale)``: exact for a float, unknown for a tensor."""
-        if scale is None:
-            self.exact = None
-            self.lower_bound = 0.0
-        elif self.exact is not None:
-            self.exact = HostScale(scale, self.exact.growth_tracker, self.exact.overflow_streak)
-            self.lower_bound = scale
-        else:
-            self.lower_bound = scale
-
-    @property
-    def scale_may_be_below_one(self) -> bool:
-        """True unless the host can prove ``scale >= 1`` (then ``1/scale`` cannot overflow)."""
-        return self._below_one
 
 
 @dataclass(frozen=True)
@@ -202,22 +119,119 @@ class History:
         return state
 
 
-def read_stats(state: ScaleState) -> ScalerStats:
-    """All counters and the scale in one read. Host sync: one off the CPU."""
-    values = torch.cat(
-        [
-            state.counters.double(),
-            state.overflow_streak.double().reshape(1),
-            state.scale.double().reshape(1),
-        ]
-    ).tolist()
-    iterations, skipped, growths, backoffs, streak, scale = values
+def stats_of(values: Values, scale: float | None = None) -> ScalerStats:
+    """The counters of ``values`` as a :class:`ScalerStats` (``scale`` overrides the scale).
+
+    Host sync: none.
+    """
+    iterations, skipped, growths, backoffs = values.counters
     return ScalerStats(
-        iterations=int(iterations),
-        steps_taken=int(iterations - skipped),
-        steps_skipped=int(skipped),
-        consecutive_skips=int(streak),
-        growths=int(growths),
-        backoffs=int(backoffs),
-        scale=scale,
+        iterations=iterations,
+        steps_taken=iterations - skipped,
+        steps_skipped=skipped,
+        consecutive_skips=values.overflow_streak,
+        growths=growths,
+        backoffs=backoffs,
+        scale=values.scale if scale is None else scale,
     )
+
+
+class Telemetry:
+    """What users read besides the scale: skip flags, history, update hooks, collapse checks.
+
+    Everything stays on the device until read.
+    """
+
+    # An OrderedDict because torch's RemovableHandle keeps a weak reference to it.
+    hooks: OrderedDict[int, Callable[[Any, UpdateEvent], None]]
+
+    def __init__(self, history: int) -> None:
+        self.history = History(history)
+        self.hooks = OrderedDict()
+        self._step_skips: dict[int, torch.Tensor] = {}  # non-zero: skipped (compared when read)
+        self._last_iteration: torch.Tensor | None = None
+        self._warned: set[str] = set()
+
+    @property
+    def wants_events(self) -> bool:
+        """Whether an update must build an event (hooks or history). Host sync: none."""
+        return bool(self.hooks) or self.history.capacity > 0
+
+    def register(self, hook: Callable[[Any, UpdateEvent], None]) -> RemovableHandle:
+        """Call ``hook(scaler, event)`` after every rule update. Host sync: none."""
+        if not callable(hook):
+            raise ConfigError(f"hook must be callable, got {type(hook).__name__}.")
+        handle = RemovableHandle(self.hooks)
+        self.hooks[handle.id] = hook
+        return handle
+
+    def note_step(self, optimizer: object, found_inf: torch.Tensor) -> None:
+        """Remember ``optimizer``'s overflow flag (non-zero: skipped). Host sync: none."""
+        self._step_skips[id(optimizer)] = found_inf
+
+    def skip_flag(
+        self, optimizer: object | None, stepped: list[torch.optim.Optimizer]
+    ) -> torch.Tensor | None:
+        """The skip flag of ``optimizer`` (or of this iteration's ``stepped`` optimizers, else
+        of the last iteration), or None when there is none. Host sync: none."""
+        if optimizer is not None:
+            flag = self._step_skips.get(id(optimizer))
+        else:
+            current = [self._step_skips[id(o)] for o in stepped if id(o) in self._step_skips]
+            flag = torch.stack(current).ne(0).any() if current else self._last_iteration
+        return None if flag is None else flag != 0
+
+    def after_update(
+        self, scaler: Any, iteration: int, scale: torch.Tensor, used: torch.Tensor, total: Any
+    ) -> None:
+        """Record the iteration (history) and call the hooks. Host sync: none (hooks may)."""
+        self._last_iteration = total
+        if self.wants_events:
+            event = UpdateEvent(iteration, scale, total, total != 0)
+            self.history.record(iteration, used, event.skipped)
+            for hook in list(self.hooks.values()):
+                hook(scaler, event)
+
+    def watch(
+        self,
+        scale: float,
+        streak: int,
+        limit: int | None,
+        optimizers: list[torch.optim.Optimizer],
+        may_raise: bool = True,
+    ) -> None:
+        """Warn once when the scale drops below 1 or 50 iterations in a row were skipped; raise
+        on ``limit`` (``max_consecutive_skips``). Host sync: one to name the parameters, only
+        when it warns or raises."""
+        if may_raise and limit is not None and streak >= limit:
+            what = f"{streak} consecutive iterations overflowed"
+            raise ScaleCollapseError(_collapse_text(what, scale, streak, optimizers))
+        if scale < 1.0 and "below_one" not in self._warned:
+            self._warned.add("below_one")
+            what = "The loss scale fell below 1: gradients are being scaled down, not up"
+            _warn(_collapse_text(what, scale, streak, optimizers))
+        if streak >= SKIP_WARNING and "streak" not in self._warned:
+            self._warned.add("streak")
+            what = f"{streak} consecutive iterations were skipped"
+            _warn(_collapse_text(what, scale, streak, optimizers))
+
+    def __getstate__(self) -> dict[str, Any]:
+        # Hooks may be lambdas and the skip flags are keyed by object ids of this process.
+        state = dict(self.__dict__)
+        state.update(hooks=OrderedDict(), _step_skips={}, _last_iteration=None)
+        return state
+
+
+#: Consecutive skipped iterations after which a warning is emitted (once).
+SKIP_WARNING = 50
+
+
+def _warn(message: str) -> None:
+    warnings.warn(message, ScaleCollapseWarning, stacklevel=5)
+
+
+def _collapse_text(
+    what: str, scale: float, streak: int, optimizers: list[torch.optim.Optimizer]
+) -> str:
+    diagnosis = diagnostics.diagnose_optimizers(optimizers) if optimizers else None
+    return diagnostics.collapse_message(what, scale, streak, diagnosis)

@@ -1,4 +1,8 @@
-"""Uneven inputs: shadow iterations for ``torch.distributed.algorithms.Join``."""
+"""Uneven inputs: shadow iterations for ``torch.distributed.algorithms.Join``.
+
+Lives with the scaler (``mixprec._src.dist`` knows nothing of it) and drives it only through its
+internal interface (:func:`~mixprec._src.scaling.engine.engine_of`) and its public ``update()``.
+"""
 
 from __future__ import annotations
 
@@ -9,9 +13,8 @@ from torch.distributed.algorithms.join import Joinable, JoinHook
 
 from mixprec._src.dist.agree import agree_found_inf_, comm_device, validate_group
 from mixprec._src.dist.norms import all_reduce_norm_
+from mixprec._src.scaling.engine import Engine, engine_of
 from mixprec.errors import ConfigError
-from mixprec._src.scaling.phases import OptState
-
 
 
 class JoinableScaler(Joinable):
@@ -35,7 +38,8 @@ class JoinableScaler(Joinable):
             ``process_group``, else the world.
 
     Raises:
-        ConfigError: torch.distributed is not initialised.
+        ConfigError: torch.distributed is not initialised, or ``scaler`` is not a mixprec
+            GradScaler.
 
     Example:
         >>> import torch.distributed as dist, mixprec
@@ -57,21 +61,22 @@ class JoinableScaler(Joinable):
                 "JoinableScaler needs torch.distributed: call "
                 "torch.distributed.init_process_group(...) before wrapping the scaler."
             )
-        group = validate_group(process_group) or scaler._dist.group or dist.group.WORLD
+        engine = engine_of(scaler)
+        group = validate_group(process_group) or engine.dist.group or dist.group.WORLD
         self._scaler = scaler
+        self._engine = engine
         self._group = group
-        scaler._dist.join_group = group
-        scaler._dist.joinable = self
+        engine.join(self, group)
 
     def join_hook(self, **kwargs: Any) -> JoinHook:
         """The hook that runs shadow iterations. Host sync: none."""
-        return _ScalerJoinHook(self._scaler, self._group, self.join_device)
+        return _ScalerJoinHook(self._scaler, self._engine, self._group, self.join_device)
 
     @property
     def join_device(self) -> torch.device:
         """Where the join context's own all-reduces run. Host sync: none."""
-        scale = self._scaler._get_scale_async()
-        device = scale.device if scale is not None else torch.device("cpu")
+        tensors = self._engine.state.tensors
+        device = tensors.scale.device if tensors is not None else torch.device("cpu")
         return comm_device(self._group, device)
 
     @property
@@ -81,32 +86,30 @@ class JoinableScaler(Joinable):
 
 
 class _ScalerJoinHook(JoinHook):
-    def __init__(self, scaler: Any, group: Any, device: torch.device) -> None:
+    def __init__(self, scaler: Any, engine: Engine, group: Any, device: torch.device) -> None:
         self._scaler = scaler
+        self._engine = engine
         self._group = group
         self._device = device
         self._keys = [object()]
 
     def main_hook(self) -> None:
         """One shadow iteration: the training ranks' all-reduces with 0, then ``update()``."""
-        scaler = self._scaler
-        device = scaler._lazy_init(self._device).scale.device
-        kinds = scaler._dist.last_issued or [0.0]
+        engine = self._engine
+        device = engine.state.materialize(self._device).scale.device
+        kinds = engine.dist.last_issued or [0.0]
         while len(self._keys) < len(kinds):
             self._keys.append(object())
-        for key, kind in zip(self._keys, kinds, strict=False):  # keys may be more
+        flags = []
+        for kind in kinds:
             zero = torch.zeros((), device=device)
             if kind == 0.0:  # a found-inf agreement
-                agreed = agree_found_inf_(zero, self._group)
+                flags.append(agree_found_inf_(zero, self._group))
             else:  # a clipping's norm: the flag is its non-finiteness
                 total = all_reduce_norm_(zero, kind, self._group)
-                agreed = torch.logical_not(torch.isfinite(total)).to(torch.float32)
-            record = scaler._phases.get(key)
-            record.found_inf_per_device = {agreed.device: agreed}
-            record.stage = OptState.STEPPED
-            record.skipped = bool(agreed.item() != 0)
-        scaler._dist.issued = list(kinds)
-        scaler.update()
+                flags.append(torch.logical_not(torch.isfinite(total)).to(torch.float32))
+        engine.shadow_iteration(self._keys, flags, kinds)
+        self._scaler.update()
 
     def post_hook(self, is_last_joiner: bool) -> None:
         """Nothing to do: every shadow iteration already kept the state in step."""

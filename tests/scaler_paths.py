@@ -1,0 +1,49 @@
+"""The two code paths of the scaler, both run on the CPU.
+
+On the CPU the scaler follows its scale on the host and writes the rule's result into the
+tensors (``DeviceCaps.host_memory``); on CUDA it runs the rule on the device and the host view
+only follows when it learns the outcome. :func:`device_path` makes the CPU take CUDA's branches:
+its row of the device table (``mixprec._src.devices``) gets CUDA's scaler and kernel columns, and
+the host shortcut is made to fail loudly, so a test that runs under it exercises exactly what a
+CUDA user runs (the same kernels, since the CPU has torch's AMP kernels as CUDA does).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Iterator
+from contextlib import contextmanager
+from typing import Any
+
+from mixprec._src import devices
+from mixprec._src.scaling import state
+
+# The columns the scaler and its kernels read; the others (autocast, fp8, collectives) stay.
+SCALER_COLUMNS = (
+    "amp_kernels",
+    "fused_optimizers",
+    "wide_float",
+    "host_memory",
+    "aminmax_inf_norm",
+    "per_tensor_clamp",
+    "sequential_pieces",
+)
+
+
+def _host_shortcut(*args: Any, **kwargs: Any) -> None:
+    raise AssertionError("the host rule ran on the device path (host_memory should be False)")
+
+
+@contextmanager
+def device_path() -> Iterator[None]:
+    """Inside the block, scalers created on the CPU take the path a CUDA user takes."""
+    cpu, cuda = devices._TABLE["cpu"], devices._TABLE["cuda"]
+    like_cuda = dataclasses.replace(cpu, **{c: getattr(cuda, c) for c in SCALER_COLUMNS})
+    saved = state.write_advance_
+    devices._TABLE["cpu"] = like_cuda
+    state.write_advance_ = _host_shortcut  # type: ignore[assignment]
+    try:
+        yield
+    finally:
+        devices._TABLE["cpu"] = cpu
+        state.write_advance_ = saved
