@@ -25,7 +25,7 @@ def example_update_after_one_step() -> None:
     scaler = mixprec.GradScaler()
     data = torch.randn(5, 10, device=device)
     target = torch.randn(5, 1, device=device)
-    with mixprec.autocast(device):
+    with mixprec.autocast():  # no device: the 1.5 call form, float16
         output = model(data)
         loss = torch.nn.functional.mse_loss(output, target)
     scaler.scale(loss).backward()
@@ -44,7 +44,7 @@ def example_training_loop() -> None:
     target = torch.randn(20, 1, device=device)
     for epoch in range(3):
         optimizer.zero_grad()
-        with mixprec.autocast(device):
+        with mixprec.autocast():  # no device: the 1.5 call form, float16
             output = model(data)
             loss = torch.nn.functional.mse_loss(output, target)
         scaler.scale(loss).backward()
@@ -61,7 +61,7 @@ def example_update_without_optimizer() -> None:
     optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
     data = torch.randn(4, 5, device=device)
     target = torch.randn(4, 3, device=device)
-    with mixprec.autocast(device):
+    with mixprec.autocast():  # no device: the 1.5 call form, float16
         output = model(data)
         loss = torch.nn.functional.mse_loss(output, target)
     scaler.scale(loss).backward()

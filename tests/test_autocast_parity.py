@@ -32,11 +32,11 @@ def test_bitwise_parity_with_torch_autocast(kind: str, dtype: torch.dtype) -> No
 
 def test_state_inside_matches_native_and_is_restored() -> None:
     before = (torch.is_autocast_enabled("cpu"), torch.get_autocast_dtype("cpu"))
-    with torch.autocast("cpu", dtype=torch.float16):
+    with torch.autocast("cpu"):
         native = (torch.is_autocast_enabled("cpu"), torch.get_autocast_dtype("cpu"))
     with mixprec.autocast("cpu"):
         ours = (torch.is_autocast_enabled("cpu"), torch.get_autocast_dtype("cpu"))
-    assert ours == native == (True, torch.float16)
+    assert ours == native == (True, torch.bfloat16)
     assert (torch.is_autocast_enabled("cpu"), torch.get_autocast_dtype("cpu")) == before
 
 

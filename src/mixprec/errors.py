@@ -15,9 +15,11 @@ __all__ = [
     "NonFiniteError",
     "NonFiniteNormError",
     "OverflowRiskWarning",
+    "RegionStateError",
     "ScaleCollapseError",
     "ScaleCollapseWarning",
     "ScalerStateError",
+    "UnsupportedDeviceError",
 ]
 
 
@@ -47,6 +49,17 @@ class ScaleCollapseError(MixprecError, RuntimeError):
 
 class NonFiniteNormError(MixprecError, RuntimeError):
     """``clip_grad_norm_(..., error_if_nonfinite=True)`` met an inf/NaN gradient norm."""
+
+
+class UnsupportedDeviceError(ConfigError, RuntimeError):
+    """A device type this torch build cannot serve (for autocast: no native autocast for it).
+
+    Also a ``RuntimeError``, as torch raises for an unsupported autocast device.
+    """
+
+
+class RegionStateError(MixprecError, RuntimeError):
+    """An autocast region was exited without a matching enter (or exited twice)."""
 
 
 class NonFiniteError(MixprecError, FloatingPointError):

@@ -105,3 +105,28 @@ def types_reduced_by(backend: str) -> set[str]:
     Host sync: none.
     """
     return {kind for kind, row in _TABLE.items() if row.collective_backend == backend}
+
+
+# Device types that have native autocast and none of the capabilities above (added by #17 so
+# that autocast's device list and dispatch-key names come from this table).
+for _kind, _key in (
+    ("hpu", "AutocastHPU"),
+    ("xla", "AutocastXLA"),
+    ("ipu", "AutocastIPU"),
+    ("mtia", "AutocastMTIA"),
+    ("maia", "AutocastMAIA"),
+    ("privateuseone", "AutocastPrivateUse1"),
+):
+    _TABLE.setdefault(_kind, DeviceCaps(autocast_key=_key))
+
+
+def autocast_device_types() -> tuple[str, ...]:
+    """The device types this table knows a native autocast dispatch key for, in table order.
+
+    Example:
+        >>> autocast_device_types()[:2]
+        ('cpu', 'cuda')
+
+    Host sync: none.
+    """
+    return tuple(kind for kind, c in _TABLE.items() if c.autocast_key is not None)

@@ -2,30 +2,25 @@
 
 The rule for ``device_type=None``: the device the user trains on, which is the current accelerator
 reported by :mod:`torch.accelerator` (CUDA when available, also XPU, MPS, ...) when autocast is
-available for it, and the CPU otherwise.
+available for it, and the CPU otherwise. The device types named in messages come from the shared
+capability table (:func:`mixprec._src.devices.autocast_device_types`).
+
+The dtype rule follows ``torch.autocast``: with a device type and no dtype, the device's current
+autocast dtype (``torch.get_autocast_dtype``: bfloat16 for the CPU, float16 for CUDA, or what an
+enclosing region set); with no device either (the ``torch.cuda.amp.autocast()`` call form), float16.
+``dtype=torch.float32`` turns the region off (the computation stays in float32); with
+``enabled=False`` any dtype is accepted, as torch does.
 """
 
 from __future__ import annotations
 
 import torch
 
-from mixprec.errors import ConfigError
+from mixprec._src.devices import autocast_device_types
+from mixprec.errors import ConfigError, UnsupportedDeviceError
 
 #: The dtypes an autocast region can lower to.
 LOW_PRECISION_DTYPES: tuple[torch.dtype, ...] = (torch.float16, torch.bfloat16)
-
-_KNOWN_DEVICE_TYPES = (
-    "cpu",
-    "cuda",
-    "xpu",
-    "mps",
-    "hpu",
-    "xla",
-    "ipu",
-    "mtia",
-    "maia",
-    "privateuseone",
-)
 
 
 _VALID: set[object] = set()
@@ -62,7 +57,7 @@ def _autocast_available(device_type: str) -> bool:
 
 
 def _accepted_device_types() -> list[str]:
-    return [d for d in _KNOWN_DEVICE_TYPES if _autocast_available(d)]
+    return [d for d in autocast_device_types() if _autocast_available(d)]
 
 
 def resolve_device_type(device_type: str | torch.device | None) -> str:
@@ -78,8 +73,10 @@ def resolve_device_type(device_type: str | torch.device | None) -> str:
         'cpu'
 
     Raises:
-        ConfigError: the device type is unknown or has no autocast support; the message lists the
+        UnsupportedDeviceError: the device type is unknown or has no autocast support (also a
+            ``RuntimeError``, as torch raises, and a ``ConfigError``); the message lists the
             accepted device types.
+        ConfigError: ``device_type`` is not a string, a device or None.
 
     Host sync: none.
     """
@@ -97,7 +94,7 @@ def resolve_device_type(device_type: str | torch.device | None) -> str:
             f"{device_type!r}; accepted device types: {', '.join(_accepted_device_types())}"
         )
     if not _autocast_available(name):
-        raise ConfigError(
+        raise UnsupportedDeviceError(
             f"device_type {device_type!r} has no autocast support in this torch build; "
             f"accepted device types: {', '.join(_accepted_device_types())}"
         )
@@ -106,34 +103,38 @@ def resolve_device_type(device_type: str | torch.device | None) -> str:
     return name
 
 
-def resolve_low_dtype(dtype: object, *, what: str = "dtype") -> torch.dtype:
-    """Validate a low-precision dtype (``torch.float16`` or ``torch.bfloat16``).
+def resolve_region_dtype(
+    device: str, device_given: bool, dtype: object, enabled: bool
+) -> tuple[torch.dtype, bool]:
+    """The region's dtype and whether it casts at all, as ``torch.autocast`` decides them.
 
     Example:
         >>> import torch
-        >>> from mixprec._src.autocast._devices import resolve_low_dtype
-        >>> resolve_low_dtype(torch.bfloat16)
-        torch.bfloat16
+        >>> resolve_region_dtype("cpu", True, None, True)
+        (torch.bfloat16, True)
+        >>> resolve_region_dtype("cpu", False, None, True)  # torch.cuda.amp.autocast() form
+        (torch.float16, True)
+        >>> resolve_region_dtype("cpu", True, torch.float32, True)  # float32: the region is off
+        (torch.float32, False)
 
     Raises:
-        ConfigError: ``dtype`` is not a torch dtype, or is float64, float32, an integer or any
-            other dtype; the message lists the accepted dtypes.
+        ConfigError: ``dtype`` is not a torch dtype, or (when enabled) a dtype autocast cannot
+            lower to other than float32 (float64, integers); the message lists the accepted ones.
 
     Host sync: none.
     """
     if dtype is None:
-        return torch.float16
+        return (torch.get_autocast_dtype(device) if device_given else torch.float16), enabled
     if dtype is torch.float16 or dtype is torch.bfloat16:
-        return dtype
+        return dtype, enabled
     if not isinstance(dtype, torch.dtype):
         raise ConfigError(
-            f"{what} must be a torch.dtype, got {type(dtype).__name__} {dtype!r}; "
-            "accepted: torch.float16, torch.bfloat16"
+            f"dtype must be a torch.dtype, got {type(dtype).__name__} {dtype!r}; "
+            "accepted: torch.float16, torch.bfloat16 (torch.float32: autocast off)"
         )
-    if dtype not in LOW_PRECISION_DTYPES:
-        hint = " (to run in float32, pass enabled=False)" if dtype == torch.float32 else ""
-        raise ConfigError(
-            f"{what}={dtype} is not a low-precision floating dtype autocast can lower to{hint}; "
-            "accepted: torch.float16, torch.bfloat16"
-        )
-    return dtype
+    if dtype == torch.float32 or not enabled:
+        return dtype, False
+    raise ConfigError(
+        f"dtype={dtype} is not a floating dtype autocast can lower to; accepted: torch.float16, "
+        "torch.bfloat16, or torch.float32 (autocast off); with enabled=False any dtype is accepted"
+    )

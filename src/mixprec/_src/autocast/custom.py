@@ -60,6 +60,21 @@ def _may_backward(values: Any) -> bool:
     return any(isinstance(t, torch.Tensor) and t.requires_grad for t in tree_leaves(values))
 
 
+def _check_decorated(name: str, fn: object) -> None:
+    """Refuse, at decoration time, a first argument that is not the function to decorate."""
+    if fn is None or callable(fn):
+        return
+    if isinstance(fn, (str, torch.device)):
+        raise TypeError(
+            f"{name} got {fn!r} where the function to decorate goes; the device is a keyword: "
+            f"@mixprec.{name}(device_type={str(fn)!r})"
+        )
+    raise TypeError(
+        f"{name} decorates a function, got {type(fn).__name__} {fn!r}; write @mixprec.{name} or "
+        f"@mixprec.{name}(...) with keyword arguments"
+    )
+
+
 def _check_cast_dtype(cast_inputs: object) -> None:
     if cast_inputs is None:
         return
@@ -108,8 +123,13 @@ def custom_fwd(
         torch.float32
         >>> y.sum().backward()
 
+    Raises:
+        TypeError: ``fwd`` is not a function (``custom_fwd("cuda")``, ``custom_fwd(42)``).
+        ConfigError: ``cast_inputs`` is not None or a floating dtype; an unknown device type.
+
     Host sync: none.
     """
+    _check_decorated("custom_fwd", fwd)
     _check_cast_dtype(cast_inputs)
     fixed = None if device_type is None else resolve_device_type(device_type)
     if fwd is None:
@@ -167,11 +187,13 @@ def custom_bwd(
         >>> Double.apply(torch.ones(2, requires_grad=True)).sum().backward()
 
     Raises:
+        TypeError: ``bwd`` is not a function (``custom_bwd("cuda")``).
         ConfigError: at backward time, when ``forward`` was not decorated with
             :func:`custom_fwd` (or torch's).
 
     Host sync: none.
     """
+    _check_decorated("custom_bwd", bwd)
     if device_type is not None:
         resolve_device_type(device_type)
     if bwd is None:

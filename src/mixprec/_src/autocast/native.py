@@ -13,6 +13,8 @@ import functools
 
 import torch
 
+from mixprec._src.devices import caps
+
 _CUDA_LOW = """_convolution.deprecated _convolution conv1d conv2d conv3d conv_tbc conv_transpose1d
 conv_transpose2d.input conv_transpose3d.input convolution prelu addmm addmv addr matmul einsum mm mv
 linalg_vecdot linear addbmm baddbmm bmm chain_matmul linalg_multi_dot _thnn_fused_lstm_cell
@@ -76,19 +78,6 @@ KNOWN_POLICIES: dict[str, dict[str, str]] = {
     "cpu": _table({"lower_precision_fp": _CPU_LOW, "fp32": _CPU_FP32, "promote": _CPU_PROMOTE}),
 }
 
-_KEYS = {
-    "cpu": "AutocastCPU",
-    "cuda": "AutocastCUDA",
-    "xpu": "AutocastXPU",
-    "mps": "AutocastMPS",
-    "mtia": "AutocastMTIA",
-    "maia": "AutocastMAIA",
-    "hpu": "AutocastHPU",
-    "xla": "AutocastXLA",
-    "ipu": "AutocastIPU",
-    "privateuseone": "AutocastPrivateUse1",
-}
-
 
 @functools.cache
 def registered_autocast_ops(device_type: str) -> frozenset[str]:
@@ -102,7 +91,7 @@ def registered_autocast_ops(device_type: str) -> frozenset[str]:
 
     Host sync: none.
     """
-    key = _KEYS.get(device_type)
+    key = caps(device_type).autocast_key
     if key is None:
         return frozenset()
     marker = f"\n{key}: registered at"

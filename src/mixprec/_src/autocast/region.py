@@ -3,25 +3,44 @@
 from __future__ import annotations
 
 import functools
+import warnings
 from collections.abc import Callable
 from typing import Any, TypeVar
 
 import torch
 from torch._compile import _disable_dynamo
 
-from mixprec._src.autocast._devices import resolve_device_type, resolve_low_dtype
+from mixprec._src.autocast._caller import warn_at_caller
+from mixprec._src.autocast._devices import resolve_device_type, resolve_region_dtype
 from mixprec._src.autocast._modules import (
     TLS,
     Frame,
     acquire_global_hooks,
+    detach_hooks,
     release_global_hooks,
 )
 from mixprec._src.autocast._ops import OpRuleMode
 from mixprec._src.autocast.policy import Policy, coerce_policy
 from mixprec._src.autocast.report import DtypeReport
-from mixprec.errors import ConfigError
+from mixprec.errors import ConfigError, RegionStateError
 
 F = TypeVar("F", bound=Callable[..., Any])
+
+_NATIVE: dict[tuple[str, torch.dtype], tuple[bool, tuple[tuple[str, type[Warning]], ...]]] = {}
+
+
+def _native_decision(device: str, dtype: torch.dtype) -> tuple[bool, tuple[Any, ...]]:
+    """Whether ``torch.autocast(device, dtype)`` enables itself here, and the warnings it gives
+    (e.g. CUDA requested on a machine without CUDA). Asked once per (device, dtype); torch's
+    errors (CUDA bfloat16 on a GPU without it) propagate, at construction, as with torch."""
+    found = _NATIVE.get((device, dtype))
+    if found is None:
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            native = torch.autocast(device, dtype=dtype, enabled=True)
+        notes = tuple((str(w.message), w.category) for w in caught)
+        found = _NATIVE[(device, dtype)] = (bool(native._enabled), notes)
+    return found
 
 
 def _check_bool(name: str, value: object, allow_none: bool = False) -> None:
@@ -77,10 +96,15 @@ class autocast:
     Args:
         device_type: ``"cpu"``, ``"cuda"``, ``"cuda:0"``, a ``torch.device``, or ``None`` for the
             device the user trains on (the current accelerator when there is one, else the CPU).
-        dtype: the low-precision dtype, ``torch.float16`` (default, as in torch.cuda.amp) or
-            ``torch.bfloat16``. Any other dtype raises :class:`ConfigError` (native autocast only
-            warns and disables itself); to compute in fp32 pass ``enabled=False``.
-        enabled: whether the region casts at all; when ``False`` no rule applies either.
+        dtype: the low-precision dtype, ``torch.float16`` or ``torch.bfloat16``. ``None``: torch's
+            default for the device (``torch.get_autocast_dtype``: bfloat16 on the CPU, float16
+            on CUDA, or what an enclosing region set); float16 when ``device_type`` is ``None``
+            too (the ``torch.cuda.amp.autocast()`` call form). ``torch.float32`` means "compute in
+            float32": the region is off, without a warning. Other dtypes (float64, integers) raise
+            :class:`ConfigError`, unless ``enabled=False``, which accepts any dtype as torch does.
+        enabled: whether the region casts at all; when ``False`` no rule applies either. Native
+            autocast may turn itself off (CUDA requested on a machine without it): the warning
+            points at the line that built the region, and :attr:`enabled` says ``False``.
         cache_enabled: the native weight-cast cache; ``None`` inherits the current setting, except
             that a nested region switching to a different low dtype turns it off (the native cache
             is not keyed by dtype and would reuse the outer region's casts).
@@ -96,6 +120,9 @@ class autocast:
         >>> with mixprec.autocast("cpu"):
         ...     y = lin(torch.randn(2, 4))
         >>> y.dtype
+        torch.bfloat16
+        >>> with mixprec.autocast(torch.device("cpu"), torch.float16):
+        ...     lin(torch.randn(2, 4)).dtype
         torch.float16
         >>> policy = mixprec.Policy("nn.Linear=fp32")
         >>> with mixprec.autocast("cpu", torch.bfloat16, policy=policy):
@@ -103,9 +130,11 @@ class autocast:
         torch.float32
 
     Raises:
-        ConfigError: an unknown device type, a dtype other than float16/bfloat16, a non-bool
-            flag, a bad policy; at exit, with a strict policy, a module name rule that matched no
-            module run in the region.
+        UnsupportedDeviceError: a device type without autocast support (a ``ConfigError`` and
+            a ``RuntimeError``); the message lists the accepted ones.
+        ConfigError: a dtype autocast cannot lower to, a non-bool flag, a bad policy; at exit,
+            with a strict policy, a module name rule that matched no module run in the region.
+        RegionStateError: ``__exit__`` without a matching ``__enter__``.
 
     Host sync: none.
     """
@@ -127,12 +156,11 @@ class autocast:
                 obj = super().__new__(cls)
                 obj.__dict__["_traced"] = True  # _enter_full (run eagerly by Dynamo) refuses
                 return obj
-            return torch.autocast(
-                resolve_device_type(device_type),
-                dtype=resolve_low_dtype(dtype),
-                enabled=enabled,
-                cache_enabled=cache_enabled,
-            )
+            device = resolve_device_type(device_type)
+            if dtype is None and device_type is not None:  # torch's own default, traced natively
+                return torch.autocast(device, enabled=enabled, cache_enabled=cache_enabled)
+            fast, on = resolve_region_dtype(device, device_type is not None, dtype, enabled)
+            return torch.autocast(device, dtype=fast, enabled=on, cache_enabled=cache_enabled)
         return super().__new__(cls)
 
     def __init__(
@@ -149,8 +177,14 @@ class autocast:
         _check_bool("cache_enabled", cache_enabled, allow_none=True)
         _check_bool("report", report)
         self.device = resolve_device_type(device_type)
-        self.fast_dtype = resolve_low_dtype(dtype)
-        self.enabled = enabled
+        self.fast_dtype, on = resolve_region_dtype(
+            self.device, device_type is not None, dtype, enabled
+        )
+        if on:  # as torch.autocast: it may turn itself off here (and say so, at this line)
+            on, notes = _native_decision(self.device, self.fast_dtype)
+            for message, category in notes:
+                warn_at_caller(message, category)
+        self.enabled = on
         self.cache_enabled = cache_enabled
         self.policy = coerce_policy(policy)
         self.report: DtypeReport | None = DtypeReport() if report else None
@@ -223,6 +257,11 @@ class autocast:
             entered.recorder.__enter__()
 
     def __exit__(self, exc_type: Any, exc: Any, tb: Any) -> None:
+        if not self._stack:
+            raise RegionStateError(
+                f"{self!r} was exited without being entered (or more often than entered); "
+                "use it as `with mixprec.autocast(...):` or pair each __enter__ with one __exit__"
+            )
         if not isinstance(self._stack[-1], _Entered):
             self._stack.pop().__exit__(exc_type, exc, tb)
             return
@@ -272,8 +311,17 @@ class autocast:
             >>> f(torch.ones(2, 2), torch.ones(2, 2)).dtype
             torch.bfloat16
 
+        Raises:
+            TypeError: ``func`` is not callable (``autocast(...)(tensor)``), as with torch.
+
         Host sync: none.
         """
+        if not callable(func):
+            raise TypeError(
+                f"mixprec.autocast(...)(func) needs a callable, got {type(func).__name__}. "
+                "To run code in the region, use it as a context manager: "
+                "`with mixprec.autocast(...): output = model(input)`"
+            )
 
         @functools.wraps(func)
         def wrapper(*args: Any, **kwargs: Any) -> Any:
@@ -295,6 +343,31 @@ class autocast:
         new.__dict__.update(self.__dict__)
         new._stack = []
         return new
+
+    @staticmethod
+    def detach_hooks(module: torch.nn.Module) -> int:
+        """Remove the rule hooks policy regions attached to ``module`` and its submodules.
+
+        Modules that carried a rule keep two inert forward hooks after the region (they replay
+        the rule when ``torch.utils.checkpoint`` recomputes the module in backward). They cost
+        nothing measurable; remove them to hand the model to code that dislikes hooks. A later
+        policy region attaches them again where needed.
+
+        Example:
+            >>> import torch
+            >>> import mixprec
+            >>> model = torch.nn.Sequential(torch.nn.Linear(2, 2), torch.nn.LayerNorm(2))
+            >>> with mixprec.autocast("cpu", policy="nn.LayerNorm=fp32"):
+            ...     _ = model(torch.randn(1, 2))
+            >>> mixprec.autocast.detach_hooks(model)
+            1
+
+        Returns:
+            The number of modules whose hooks were removed.
+
+        Host sync: none.
+        """
+        return detach_hooks(module)
 
     def __repr__(self) -> str:
         extra = f", policy={self.policy!r}" if self.policy is not None else ""
