@@ -12,8 +12,13 @@ configuration is also compared with a hand-written native equivalent doing the s
 ``--construction`` measures instead what a training loop pays to build a policy (and a region
 with it) every step, against entering and leaving a ``torch.autocast``, side by side.
 
+``--reuse`` measures what mixprec's training regions pay for casting weights per use instead of
+through torch's weight cache (the change that makes checkpoint recomputation exact): a block
+whose weight is used ``--uses`` times in one region; step time against ``torch.autocast``, and the
+bytes autograd keeps for backward.
+
 Run: ``python benchmarks/bench_autocast.py [--rounds 200] [--iters 10] [--size tiny|medium]
-[--device cpu|cuda] [--dtype bf16|fp16] [--construction]``.
+[--device cpu|cuda] [--dtype bf16|fp16] [--construction] [--reuse [--uses 4]]``.
 """
 
 from __future__ import annotations
@@ -145,7 +150,7 @@ def measure(
 
 def report(times: dict[str, list[float]]) -> None:
     """Medians, and medians of per-round (paired) ratios, which cancel slow load drift."""
-    base = times["torch.autocast"]
+    base = next(iter(times.values()))  # the first configuration is the reference
     print(f"{'configuration':40s} {'median us':>10s} {'ratio':>7s} {'paired ratio':>13s}")
     rule: list[float] = base
     for name, samples in times.items():
@@ -224,6 +229,49 @@ def report_calls(times: dict[str, list[float]]) -> None:
         print(f"{name:45s} {statistics.median(samples):10.2f} {paired:13.3f}")
 
 
+class Reused(nn.Module):
+    """One Linear applied ``uses`` times (a shared block, a recurrent cell), then a head."""
+
+    def __init__(self, d: int, uses: int) -> None:
+        super().__init__()
+        self.inp, self.lin, self.head = nn.Linear(d, d), nn.Linear(d, d), nn.Linear(d, 10)
+        self.uses = uses
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = self.inp(x)
+        for _ in range(self.uses):
+            h = torch.relu(self.lin(h))
+        return self.head(h)
+
+
+def reuse_configs(d: int, uses: int) -> dict[str, tuple[nn.Module, Callable[[], Any]]]:
+    torch.manual_seed(0)
+    model = Reused(d, uses)
+    return {
+        "torch.autocast (weight cache)": (model, lambda: torch.autocast(DEVICE, dtype=DTYPE)),
+        "mixprec (a cast per use)": (model, lambda: mixprec.autocast(DEVICE, DTYPE)),
+        "torch.autocast(cache_enabled=False)": (
+            model,
+            lambda: torch.autocast(DEVICE, dtype=DTYPE, cache_enabled=False),
+        ),
+    }
+
+
+def saved_bytes(model: nn.Module, ctx: Callable[[], Any], x: torch.Tensor, y: torch.Tensor) -> int:
+    """Bytes of the distinct storages autograd saves for backward in one step."""
+    seen: dict[int, int] = {}
+
+    def pack(t: torch.Tensor) -> torch.Tensor:
+        seen[t.untyped_storage().data_ptr()] = t.untyped_storage().nbytes()
+        return t
+
+    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t), ctx():
+        loss = F.cross_entropy(model(x), y)
+    loss.backward()
+    model.zero_grad(set_to_none=True)
+    return sum(seen.values())
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__)
     parser.add_argument("--rounds", type=int, default=200)
@@ -233,6 +281,8 @@ def main() -> None:
     parser.add_argument("--device", default="cpu")
     parser.add_argument("--dtype", choices=["bf16", "fp16"], default="bf16")
     parser.add_argument("--construction", action="store_true", help="per-step construction cost")
+    parser.add_argument("--reuse", action="store_true", help="a weight used several times")
+    parser.add_argument("--uses", type=int, default=4)
     args = parser.parse_args()
     global DEVICE, DTYPE
     DEVICE = args.device
@@ -243,9 +293,12 @@ def main() -> None:
         report_calls(measure_calls(construction_cases(), args.rounds, 300))
         return
     batch, d_in, d = (16, 32, 64) if args.size == "tiny" else (128, 256, 1024)
+    if args.reuse:
+        d_in = d
     x = torch.randn(batch, d_in, device=DEVICE)
     y = torch.randint(0, 10, (batch,), device=DEVICE)
-    cfgs = {name: (model.to(DEVICE), ctx) for name, (model, ctx) in configs(d_in, d).items()}
+    made = reuse_configs(d, args.uses) if args.reuse else configs(d_in, d)
+    cfgs = {name: (model.to(DEVICE), ctx) for name, (model, ctx) in made.items()}
     times = measure(cfgs, x, y, args.rounds, args.iters)
     print(
         f"torch {torch.__version__}, size={args.size} (B={batch}, {d_in}->{d}), "
@@ -253,6 +306,10 @@ def main() -> None:
         f"device={DEVICE}, dtype={DTYPE}"
     )
     report(times)
+    if args.reuse:
+        print(f"one Linear({d}, {d}) used {args.uses} times per region; saved for backward:")
+        for name, (model, ctx) in cfgs.items():
+            print(f"  {name:40s} {saved_bytes(model, ctx, x, y) / 2**20:8.3f} MiB")
 
 
 if __name__ == "__main__":

@@ -228,8 +228,8 @@ class Boom(nn.Module):
 
 def test_exception_inside_rule_module_restores_state() -> None:
     model = nn.Sequential(nn.Linear(4, 4), Boom())
-    for rule in ("fp32", torch.float16):
-        with mixprec.autocast("cpu", BF16, policy=Policy(modules={Boom: rule})):
+    for rule in ("fp32", torch.float16):  # fp16 turns the cache off in its subtree: restored?
+        with mixprec.autocast("cpu", BF16, cache_enabled=True, policy=Policy(modules={Boom: rule})):
             with pytest.raises(RuntimeError, match="boom"):
                 model(torch.randn(2, 4))
             assert torch.is_autocast_enabled("cpu")
@@ -395,3 +395,18 @@ def test_a_raising_user_pre_hook_does_not_unbalance_rule_state() -> None:
         assert torch.get_autocast_dtype("cpu") == BF16 and torch.is_autocast_enabled("cpu")
         assert net(torch.randn(2, 4)).dtype == torch.float32
         assert net.probe.seen[-1] == (True, torch.float16, BF16)
+
+
+def test_op_rules_alone_hook_no_module() -> None:
+    """Op rules replay through the checkpoint, so a policy with op rules only costs no module
+    hook at all (module rules and reports need the process-wide discovery hooks)."""
+    from torch.nn.modules import module as nn_module
+
+    net = Net()
+    before = len(nn_module._global_forward_pre_hooks)
+    with mixprec.autocast("cpu", BF16, policy=Policy(ops={F.gelu: "fp32"})):
+        assert len(nn_module._global_forward_pre_hooks) == before
+        net(torch.randn(2, 4))
+    assert all(not m._forward_pre_hooks for m in net.modules())
+    with mixprec.autocast("cpu", BF16, policy=Policy(modules={Probe: "fp32"})):
+        assert len(nn_module._global_forward_pre_hooks) == before + 1

@@ -30,13 +30,22 @@ def test_any_module_rule_restores_the_native_state(
 ) -> None:
     torch.manual_seed(0)
     model = MLP()
-    with mixprec.autocast("cpu", dtype, policy=Policy(modules={target: rule})):
-        inside = (torch.is_autocast_enabled("cpu"), torch.get_autocast_dtype("cpu"))
+    policy = Policy(modules={target: rule})
+    with mixprec.autocast("cpu", dtype, cache_enabled=True, policy=policy):
+        inside = (
+            torch.is_autocast_enabled("cpu"),
+            torch.get_autocast_dtype("cpu"),
+            torch.is_autocast_cache_enabled(),
+        )
         try:
             out = model(torch.randn(2, 16))
             assert out.isfinite().all()
         except RuntimeError as err:  # "keep" leaves dtypes to the module: a mismatch is allowed
             assert rule.compute == "keep" and "same dtype" in str(err)
-        assert inside == (torch.is_autocast_enabled("cpu"), torch.get_autocast_dtype("cpu"))
-        assert torch.is_autocast_cache_enabled()
+        assert inside == (
+            torch.is_autocast_enabled("cpu"),
+            torch.get_autocast_dtype("cpu"),
+            torch.is_autocast_cache_enabled(),
+        )
+        assert inside[2]
     assert not torch.is_autocast_enabled("cpu")

@@ -1,12 +1,12 @@
 """Module rules: global hooks for discovery and names, persistent per-module hooks for the rules.
 
-While a region with a policy or a report is active, two process-wide module hooks (registered on
-entry, removed at the last exit) keep a thread-local stack of qualified module names and bind each
-module that runs to its rule. A module with a rule (or every module, when the policy has op rules)
-gets a pair of per-instance hooks once; they apply the rule by switching the *native* autocast
-state, which is what makes rules survive ``torch.utils.checkpoint`` recomputation: recompute runs
-in backward, outside the region, with the native state restored by checkpoint, and the per-module
-hooks replay the rule bound at the module's latest forward.
+While a region with module rules or a report is active, two process-wide module hooks (registered
+on entry, removed at the last exit) keep a thread-local stack of qualified module names and bind
+each module that runs to its rule. A module with a rule gets a pair of per-instance hooks once;
+they apply the rule by switching the *native* autocast state, which is what makes rules survive
+``torch.utils.checkpoint`` recomputation: recompute runs in backward, outside the region, with the
+native state restored by checkpoint, and the per-module hooks replay the rule bound at the
+module's latest forward. (Op rules replay through the checkpoint itself: :mod:`._recompute`.)
 """
 
 from __future__ import annotations
@@ -20,7 +20,6 @@ from torch.fx import GraphModule
 from torch.nn.modules import module as nn_module
 
 from mixprec._src.autocast._casting import cast_tree, cast_value, first_floating_dtype
-from mixprec._src.autocast._ops import OpRuleMode
 from mixprec._src.autocast.policy import Policy
 from mixprec._src.autocast.rules import Rule
 
@@ -49,7 +48,6 @@ class _Tls(threading.local):
         self.root_map: dict[int, str] = {}
         self.root: nn.Module | None = None
         self.roots: list[tuple[nn.Module, dict[int, str]]] = []
-        self.recompute_modes = 0
         self.reporting = 0
 
 
@@ -133,43 +131,29 @@ def _record(module: nn.Module) -> _Record | None:
     return module.__dict__.get(_REC_ATTR)
 
 
-def _in_checkpoint() -> bool:
-    """Whether this forward may be recomputed by torch.utils.checkpoint: non-reentrant checkpoint
-    runs it under saved-tensor hooks, reentrant checkpoint under no_grad. Under torch.compile the
-    op rules are traced into the graph, whose recomputation needs no hooks."""
-    if torch.compiler.is_compiling():
-        return False
-    if not torch.is_grad_enabled():
-        return True
-    top = getattr(torch._C._autograd, "_top_saved_tensors_default_hooks", None)
-    return top is None or top(False) is not None
-
-
-def _needs_hooks(module: nn.Module, policy: Policy, name: str) -> tuple[bool, Rule | None]:
-    """Whether a module without hooks needs them now, and its module rule (cached negatives)."""
+def _needs_hooks(module: nn.Module, policy: Policy, name: str) -> Rule | None:
+    """The module rule of a module without hooks (negative answers are cached on the module)."""
     known = module.__dict__.get(_NORULE_ATTR)
     if known is not None and known[0] is policy and known[1] == name:
-        return bool(policy.op_rules) and _in_checkpoint(), None
-    want_ops = bool(policy.op_rules) and _in_checkpoint()
+        return None
     rule = policy.module_rule(module, name)
-    if rule is None and not want_ops:
+    if rule is None:
         object.__setattr__(module, _NORULE_ATTR, (policy, name))
-    return rule is not None or want_ops, rule
+    return rule
 
 
 def _bind(frame: Frame, module: nn.Module, name: str) -> bool:
     """Bind ``module`` to the frame's policy; True when its rule hooks were attached just now.
 
-    Hooks go on modules with a module rule, and, when the policy has op rules, on modules that
-    may be recomputed by checkpoint (there they re-establish the op rules). Others stay hook-free.
+    Hooks go on modules with a module rule only; the others stay hook-free.
     """
     policy = frame.policy
     assert policy is not None
     rec = _record(module)
     fresh = False
     if rec is None:
-        needed, rule = _needs_hooks(module, policy, name)
-        if not needed:
+        rule = _needs_hooks(module, policy, name)
+        if rule is None:
             return False
         rec, fresh = _attach(module), True
         rec.policy, rec.name, rec.rule = policy, name, rule
@@ -235,8 +219,8 @@ def _global_pre(module: nn.Module, args: Any) -> Any:
         return None
     frame = tls.frames[-1]
     policy = frame.policy
-    if policy is not None and not tls.reporting and not policy.has_module_rules:
-        return _op_only_pre(frame, module, args)  # names are not needed: skip them
+    if policy is not None and not tls.reporting and not policy._has_module_rules:
+        return None  # an inner region's policy without module rules: nothing to bind
     name = _name_of(module)
     if tls.reporting:
         tls.stack.append(name)
@@ -253,18 +237,6 @@ def _global_pre(module: nn.Module, args: Any) -> Any:
         # First call of a module outside the prepared tree (typically the root): its own pre-hook
         # list was read before we attached, so apply the rule here (positional inputs only); its
         # post-hook list is read after forward, so the instance post-hook will restore.
-        result = _instance_pre(module, args, {})
-        return None if result is None else result[0]
-    return None
-
-
-def _op_only_pre(frame: Frame, module: nn.Module, args: Any) -> Any:
-    """Policies with op rules only: hooks just for modules that checkpoint may recompute."""
-    rec = _record(module)
-    if rec is None and not _in_checkpoint():
-        return None
-    name = rec.name if rec is not None and rec.name is not None else f"<{type(module).__name__}>"
-    if _bind(frame, module, name):
         result = _instance_pre(module, args, {})
         return None if result is None else result[0]
     return None
@@ -294,16 +266,15 @@ def _instance_pre(
     module: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any]
 ) -> tuple[tuple[Any, ...], dict[str, Any]] | None:
     rec = _record(module)
-    if rec is None or not _rule_active(rec) or not torch.is_autocast_enabled(rec.device_type):
+    rule = None if rec is None else rec.rule
+    if rec is None or rule is None or not _rule_active(rec):
         TLS.applied.append((id(module), None))
         return None
-    mode = _push_recompute_mode(rec)
-    rule = rec.rule
-    if rule is None:
-        TLS.applied.append((id(module), (None, mode, None, None, rec)))
+    if not torch.is_autocast_enabled(rec.device_type):
+        TLS.applied.append((id(module), None))
         return None
     saved, args, kwargs = _enter_rule(rule, rec, args, kwargs)
-    TLS.applied.append((id(module), (saved, mode, rule, first_floating_dtype(args, kwargs), rec)))
+    TLS.applied.append((id(module), (saved, rule, first_floating_dtype(args, kwargs), rec)))
     return args, kwargs
 
 
@@ -337,12 +308,7 @@ def _instance_post(
     entry = tls.applied.pop()[1]
     if entry is None:
         return None
-    saved, mode, rule, in_dtype, rec = entry
-    if mode is not None:
-        tls.recompute_modes -= 1
-        mode.__exit__(None, None, None)
-    if saved is None:
-        return None
+    saved, rule, in_dtype, rec = entry
     dev = rec.device_type
     torch.set_autocast_enabled(dev, saved[0])
     torch.set_autocast_dtype(dev, saved[1])
@@ -351,16 +317,6 @@ def _instance_post(
     if out_dtype is None or output is None:
         return None
     return cast_value(output, dev, out_dtype)
-
-
-def _push_recompute_mode(rec: _Record) -> OpRuleMode | None:
-    tls = TLS
-    if tls.frames or tls.recompute_modes or rec.policy is None or not rec.policy.op_rules:
-        return None
-    mode = OpRuleMode(rec.policy._op_table, rec.device_type)
-    mode.__enter__()
-    tls.recompute_modes += 1
-    return mode
 
 
 # ---------------------------------------------------------------- global registration

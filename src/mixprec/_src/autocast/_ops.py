@@ -3,12 +3,14 @@
 It matches public Python functions by name (``torch.x``, ``torch.nn.functional.x``, ``Tensor.x``),
 casts above autograd (so casts are differentiable, as native autocast's are) and runs the call with
 native autocast off for the region's device. Calls made inside a Python function it intercepted,
-and ops inside natively wrapped composites, are not seen (see docs/autocast.md).
+and ops inside natively wrapped composites, are not seen (see docs/autocast.md). A rule that
+applies inside a checkpointed forward makes that checkpoint recompute under the same mode
+(:mod:`._recompute`).
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from typing import Any
 
 import torch
@@ -21,6 +23,7 @@ from mixprec._src.autocast._casting import (
     promote_dtype,
     run_without_autocast,
 )
+from mixprec._src.autocast._recompute import current_checkpoint, replay_in
 from mixprec._src.autocast.rules import Rule
 
 
@@ -77,10 +80,12 @@ class OpRuleMode(TorchFunctionMode):
     Host sync: none.
     """
 
-    def __init__(self, table: dict[str, Rule], device_type: str) -> None:
+    def __init__(self, table: Mapping[str, Rule], device_type: str) -> None:
         super().__init__()
         self.table = table
         self.device_type = device_type
+        # The checkpoint whose forward creates this mode (its recompute creates it again).
+        self.home = None if torch.compiler.is_compiling() else current_checkpoint()
 
     def __torch_function__(
         self,
@@ -93,4 +98,8 @@ class OpRuleMode(TorchFunctionMode):
         rule = self.table.get(getattr(func, "__name__", ""))
         if rule is None or not torch.is_autocast_enabled(self.device_type):
             return func(*args, **kwargs)
+        if not torch.compiler.is_compiling():  # compiled graphs recompute as traced
+            target = current_checkpoint()
+            if target is not None and (self.home is None or target[0] is not self.home[0]):
+                replay_in(target, self.table, self.device_type, OpRuleMode)
         return apply_op_rule(func, rule, self.device_type, args, kwargs)

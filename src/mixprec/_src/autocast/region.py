@@ -105,9 +105,13 @@ class autocast:
         enabled: whether the region casts at all; when ``False`` no rule applies either. Native
             autocast may turn itself off (CUDA requested on a machine without it): the warning
             points at the line that built the region, and :attr:`enabled` says ``False``.
-        cache_enabled: the native weight-cast cache; ``None`` inherits the current setting, except
-            that a nested region switching to a different low dtype turns it off (the native cache
-            is not keyed by dtype and would reuse the outer region's casts).
+        cache_enabled: the native weight-cast cache. ``None``: off where a backward can follow
+            (grad mode enabled at entry), so that checkpoint recomputation, selective
+            checkpointing included, dispatches the same casts as its forward (with the cache, a
+            weight cast in one checkpointed region and reused in another breaks selective
+            checkpointing, pytorch#193338); otherwise (inference) the current setting, as torch,
+            except that a nested region switching to a different low dtype turns it off (the
+            native cache is not keyed by dtype). ``True`` gives torch's cache everywhere.
         policy: optional :class:`mixprec.Policy` or policy string. A nested region without a policy
             inherits the enclosing region's policy.
         report: record a :class:`DtypeReport` of the forward ops into :attr:`report` (slow: an
@@ -197,10 +201,12 @@ class autocast:
             _refuse_while_compiling(_PRECONSTRUCTED_MSG)
         cache = self.cache_enabled
         dev = self.device
-        if (
-            cache is None
-            and torch.is_autocast_enabled(dev)
-            and torch.get_autocast_dtype(dev) != self.fast_dtype
+        if cache is None and (
+            # A backward may follow, and checkpoint may recompute part of the forward: casts are
+            # made per use, so a recompute dispatches exactly the casts its forward did.
+            torch.is_grad_enabled()
+            # The native cache is keyed by the source tensor only, not by the dtype.
+            or (torch.is_autocast_enabled(dev) and torch.get_autocast_dtype(dev) != self.fast_dtype)
         ):
             cache = False
         return torch.autocast(dev, dtype=self.fast_dtype, enabled=self.enabled, cache_enabled=cache)
@@ -245,7 +251,7 @@ class autocast:
             tls.root, tls.root_map, tls.roots = None, {}, []  # names: roots run in this region
         tls.frames.append(frame)
         entered.frame = frame
-        if policy is not None or self.report is not None:
+        if (policy is not None and policy.has_module_rules) or self.report is not None:
             acquire_global_hooks(post=self.report is not None)
             entered.hooks = True
             tls.reporting += self.report is not None
