@@ -206,3 +206,57 @@ def test_keyword_inputs_and_pass_through_modules() -> None:
     assert finder.report is not None
     # nn.Identity hands its input back: the gradient it "produces" is not its doing
     assert (finder.report.module, finder.report.what) == ("bomb", "input gradient")
+
+
+class ScalesItsChild(nn.Module):
+    """Changes its child's output before returning it, in place or not."""
+
+    def __init__(self, in_place: bool) -> None:
+        super().__init__()
+        self.fc = nn.Linear(8, 8)
+        self.in_place = in_place
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        y = self.fc(x)
+        if self.in_place:
+            return y.mul_(float("inf"))
+        return y * float("inf")
+
+
+@pytest.mark.parametrize("in_place", [False, True])
+def test_a_forward_that_changes_its_childs_output_is_blamed_in_place_or_not(
+    in_place: bool,
+) -> None:
+    model = nn.Sequential(ScalesItsChild(in_place), nn.Linear(8, 1))
+    with mixprec.find_nonfinite(model) as finder:
+        model(X)
+    assert finder.report is not None
+    assert (finder.report.module, finder.report.phase, finder.report.what) == (
+        "0",
+        "forward",
+        "output",
+    )
+
+
+@pytest.mark.parametrize(
+    ("kwargs", "match"),
+    [
+        ({"warn_within": "x"}, "warn_within must be None or a number >= 1"),
+        ({"warn_within": True}, "got bool True"),
+        ({"warn_within": float("nan")}, "warn_within"),
+        ({"raise_on_first": "yes"}, "raise_on_first must be True or False"),
+    ],
+)
+def test_bad_options_are_config_errors(kwargs: dict[str, Any], match: str) -> None:
+    with pytest.raises(mixprec.errors.ConfigError, match=match):
+        mixprec.find_nonfinite(_model(), **kwargs)
+
+
+def test_the_near_overflow_warning_points_at_the_line_that_called_the_model() -> None:
+    model = _model()
+    with torch.no_grad():
+        model.head.weight.fill_(1.0)
+        model.head.bias.fill_(3e4)
+    with pytest.warns(OverflowRiskWarning) as caught:
+        _run(model, warn_within=4.0)
+    assert {w.filename for w in caught} == {__file__}

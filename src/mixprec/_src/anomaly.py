@@ -3,8 +3,10 @@
 Under fp16 most NaN losses start as a forward overflow (an activation beyond 65504) in one layer;
 the scaler only sees the gradients afterwards. :func:`find_nonfinite` hooks every module of a model
 while its block runs: module outputs are checked in the forward pass (children before parents, so
-the innermost module that produced the value is named), and gradients in the backward pass (the
-gradient each module's backward produces for its inputs, and its parameters' gradients). The
+the innermost module that produced the value is named; an output changed in place by a parent's
+forward after its child returned it is checked again and blamed on that parent), and gradients
+in the backward pass (the gradient each module's backward produces for its inputs, and its
+parameters' gradients). The
 first non-finite value found is kept in :attr:`NonFiniteFinder.report`; after that the hooks stop
 checking. Nothing is registered outside the ``with`` block, so it costs nothing when not entered.
 """
@@ -12,7 +14,7 @@ checking. Nothing is registered outside the ``with`` block, so it costs nothing 
 from __future__ import annotations
 
 import functools
-import warnings
+import numbers
 from collections.abc import Iterator, Mapping
 from dataclasses import dataclass, field
 from types import TracebackType
@@ -23,6 +25,7 @@ from torch import nn
 from torch.utils.hooks import RemovableHandle
 from torch.utils.weak import WeakTensorKeyDictionary
 
+from mixprec._src.autocast._caller import warn_at_caller
 from mixprec.errors import ConfigError, NonFiniteError, OverflowRiskWarning
 
 _FP16_MAX = float(torch.finfo(torch.float16).max)
@@ -113,10 +116,16 @@ class NonFiniteFinder:
     def __init__(self, model: nn.Module, warn_within: float | None, raise_on_first: bool):
         if not isinstance(model, nn.Module):
             raise ConfigError(f"find_nonfinite needs an nn.Module, got {type(model).__name__}.")
-        if warn_within is not None and not warn_within >= 1.0:
-            raise ConfigError(f"warn_within must be None or a factor >= 1, got {warn_within}.")
+        is_number = isinstance(warn_within, numbers.Real) and not isinstance(warn_within, bool)
+        if warn_within is not None and not (is_number and float(warn_within) >= 1.0):
+            raise ConfigError(
+                f"warn_within must be None or a number >= 1 (e.g. 4.0: warn at 65504 / 4), got "
+                f"{type(warn_within).__name__} {warn_within!r}."
+            )
+        if not isinstance(raise_on_first, bool):
+            raise ConfigError(f"raise_on_first must be True or False, got {raise_on_first!r}.")
         self.model = model
-        self.warn_within = warn_within
+        self.warn_within = None if warn_within is None else float(warn_within)
         self.raise_on_first = raise_on_first
         self.report: NonFiniteReport | None = None
         self.near_overflow: dict[str, float] = {}
@@ -192,12 +201,14 @@ class NonFiniteFinder:
     def _check_outputs(self, module: nn.Module, args: Any, kwargs: Any, output: Any) -> None:
         if not self._watching():
             return
-        # a parent returning its child's output tensor: already checked, no second sync
-        tensors = [t for t in _float_tensors(output) if t not in self._checked]
+        # A parent returning its child's output tensor unchanged: already checked, no second
+        # sync. Changed in place since (its version moved): checked again, and blamed here.
+        checked = self._checked
+        tensors = [t for t in _float_tensors(output) if checked.get(t) != t._version]
         if not tensors:
             return
         for t in tensors:
-            self._checked[t] = True
+            checked[t] = t._version
         name = self._names[module]
         for t, (bad, biggest) in zip(tensors, _stats(tensors), strict=True):
             if bad:
@@ -231,12 +242,11 @@ class NonFiniteFinder:
         if limit is None or t.dtype != torch.float16 or biggest < limit:
             return
         if name not in self.near_overflow:
-            warnings.warn(
+            warn_at_caller(  # at the user's line that called the module
                 f"fp16 output of '{name or '<model>'}' reached {biggest:.4g}, within a factor "
                 f"{_FP16_MAX / biggest:.3g} of fp16's largest value {_FP16_MAX:.0f}: it may "
                 "overflow soon. Consider running it in float32.",
                 OverflowRiskWarning,
-                stacklevel=2,
             )
         self.near_overflow[name] = max(biggest, self.near_overflow.get(name, 0.0))
 
@@ -301,7 +311,8 @@ def find_nonfinite(
             hook, so the traceback points into the forward or backward where it happened.
 
     Raises:
-        ConfigError: ``model`` is not a module, or ``warn_within`` < 1.
+        ConfigError: ``model`` is not a module, ``warn_within`` is not None or a number >= 1,
+            or ``raise_on_first`` is not a bool.
 
     Example:
         >>> import torch, mixprec
@@ -315,7 +326,7 @@ def find_nonfinite(
 
     Host sync: none outside the block. Inside it, until the first non-finite value is found:
     one per module call in the forward pass (all new outputs of the call read together; a parent
-    that returns its child's output tensor costs none), one per
+    that returns its child's output tensor unchanged costs none), one per
     module-boundary tensor gradient and one per parameter gradient in the backward pass; none
     once a value has been found. It is a debugging tool: expect it to slow a step down.
     """
