@@ -1,58 +1,116 @@
-"""The ``mixprec`` command line: ``mixprec demo``, ``mixprec advise`` (or ``python -m mixprec``)."""
+"""The ``mixprec`` command line: ``mixprec demo``, ``mixprec advise`` (or ``python -m mixprec``).
+
+Each subcommand is a module of this package that defines ``COMMAND``, a
+:class:`mixprec.cli._command.Command`; :data:`COMMANDS` lists them. The conventions every
+subcommand gets (help, usage on errors, one-line errors, stdout that cannot be written, progress)
+are described in :mod:`mixprec.cli._command`.
+"""
 
 from __future__ import annotations
 
 import argparse
+import contextlib
+import importlib
 import sys
 from collections.abc import Sequence
 
+from mixprec.cli._command import Command, CommandError, HelpFormatter
+from mixprec.cli._output import OutputClosed, silence
 from mixprec.errors import MixprecError
 
-__all__ = ["main"]
+__all__ = ["COMMANDS", "main"]
+
+#: The subcommands, in the order ``mixprec --help`` lists them (modules of ``mixprec.cli``).
+COMMANDS = ("demo", "advise")
+
+_EXAMPLES = """examples:
+  mixprec demo                  why fp16 training needs loss scaling, measured and drawn
+  mixprec demo --help           the demo's options
+  mixprec advise --help         propose a precision policy for your model
+  python -m mixprec --version
+"""
 
 
-def _parser() -> argparse.ArgumentParser:
-    from mixprec.cli import advise, demo
+def _version() -> str:
+    import torch
 
+    import mixprec
+
+    return f"mixprec {mixprec.__version__} (torch {torch.__version__})"
+
+
+def _parser() -> tuple[argparse.ArgumentParser, dict[str, argparse.ArgumentParser]]:
     parser = argparse.ArgumentParser(
-        prog="mixprec", description="mixprec: automatic mixed precision for PyTorch."
+        prog="mixprec",
+        description="mixprec: automatic mixed precision for PyTorch.",
+        epilog=_EXAMPLES,
+        formatter_class=HelpFormatter,
     )
-    sub = parser.add_subparsers(dest="command", metavar="COMMAND")
-    demo.add_parser(sub)
-    advise.add_parser(sub)
-    return parser
+    parser.add_argument("--version", action="version", version=_version())
+    sub = parser.add_subparsers(dest="command_name", metavar="COMMAND")
+    parsers = {}
+    for name in COMMANDS:
+        command: Command = importlib.import_module(f"mixprec.cli.{name}").COMMAND
+        parsers[command.name] = command.build(sub)
+    return parser, parsers
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    """Run the command line; returns the exit status (0 on success).
+    """Run the command line; returns the exit status.
 
-    Bad options print a usage line and a message on stderr and return 2; an error that mixprec
-    raises while running prints its message and returns 1 (no traceback either way).
+    0: success; 1: the command failed (one line on stderr, no traceback); 2: bad options (the
+    command's usage and a message on stderr); 130: interrupted (Ctrl-C).
 
     Example:
         >>> from mixprec.cli import main
-        >>> main(["demo", "--steps", "0"])  # bad option: message on stderr
+        >>> main(["demo", "--steps", "0"])  # bad option: usage and message on stderr
         2
+
+    Host sync: whatever the command does.
     """
-    parser = _parser()
+    parser, parsers = _parser()
     try:
         args = parser.parse_args(argv)
-    except SystemExit as exc:  # argparse exits on --help and on bad options
+        if args.command_name is None:
+            parser.error("choose a command, e.g. `mixprec demo` (`mixprec --help` lists them)")
+        command: Command = args.command
+        problem = command.check(args)
+        if problem is not None:
+            parsers[command.name].error(problem)
+    except SystemExit as exc:  # argparse exits on --help, --version and bad options
         return exc.code if isinstance(exc.code, int) else 2
-    if args.command is None:
-        parser.print_usage(sys.stderr)
-        print("mixprec: error: choose a command, e.g. `mixprec demo`", file=sys.stderr)
-        return 2
-    problem = args.check(args)
-    if problem is not None:
-        parser.print_usage(sys.stderr)
-        print(f"mixprec {args.command}: error: {problem}", file=sys.stderr)
-        return 2
+    return _run(command, args)
+
+
+def _run(command: Command, args: argparse.Namespace) -> int:
+    prog = f"mixprec {command.name}"
     try:
-        return int(args.handler(args))
-    except MixprecError as exc:
-        print(f"mixprec {args.command}: error: {exc}", file=sys.stderr)
+        status = int(command.run(args))
+        _flush_stdout()
+        return status
+    except (CommandError, MixprecError) as exc:
+        _error(f"{prog}: error: {exc}")
+        return 1
+    except OutputClosed as exc:
+        silence(sys.stdout)
+        _error(f"{prog}: error: cannot write the results to standard output ({exc.reason})")
+        return 1
+    except BrokenPipeError:  # a write to stdout that did not go through emit()
+        silence(sys.stdout)
+        _error(f"{prog}: error: cannot write the results to standard output (Broken pipe)")
         return 1
     except KeyboardInterrupt:
-        print(f"mixprec {args.command}: interrupted", file=sys.stderr)
+        _error(f"{prog}: interrupted")
         return 130
+
+
+def _flush_stdout() -> None:
+    try:
+        sys.stdout.flush()
+    except OSError as exc:
+        raise OutputClosed(exc.strerror or str(exc)) from None
+
+
+def _error(line: str) -> None:
+    with contextlib.suppress(OSError):  # stderr is gone too: nothing left to tell
+        print(line, file=sys.stderr, flush=True)

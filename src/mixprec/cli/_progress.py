@@ -12,24 +12,33 @@ __all__ = ["Progress"]
 class Progress:
     """Counts steps of one run on ``stream`` (stderr by default); silent when not ``enabled``.
 
-    Uses ``tqdm`` when importable; otherwise prints a line at every 25% (no extra needed).
+    Draws a ``tqdm`` bar when ``bar`` and tqdm is importable; otherwise prints a line at every
+    25% (no extra needed; right for logs).
     """
 
     def __init__(
-        self, total: int, desc: str, enabled: bool = True, stream: TextIO | None = None
+        self,
+        total: int,
+        desc: str,
+        enabled: bool = True,
+        stream: TextIO | None = None,
+        bar: bool = True,
     ) -> None:
         self.total, self.desc, self.enabled = total, desc, enabled
         self.stream = stream if stream is not None else sys.stderr
         self.count = 0
         self._bar: Any = None
         self._next_mark = 0.25
-        if enabled:
-            try:
-                from tqdm import tqdm
-            except ImportError:
-                print(f"{desc}: training {total} steps", file=self.stream, flush=True)
-            else:
-                self._bar = tqdm(total=total, desc=desc, file=self.stream, leave=True, ncols=80)
+        if not enabled:
+            return
+        try:
+            if not bar:
+                raise ImportError("no bar asked for")
+            from tqdm import tqdm
+        except ImportError:
+            print(f"{desc}: training {total} steps", file=self.stream, flush=True)
+        else:
+            self._bar = tqdm(total=total, desc=desc, file=self.stream, leave=True, ncols=80)
 
     def __enter__(self) -> Progress:
         return self

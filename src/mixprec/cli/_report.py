@@ -8,7 +8,7 @@ from typing import Any
 
 from mixprec.cli._task import RunResult
 
-__all__ = ["as_json", "table", "verdict"]
+__all__ = ["as_json", "headline", "table", "verdict"]
 
 _COLUMNS = ("run", "test loss", "R²", "grads flushed", "skipped", "final scale", "wall s")
 
@@ -33,6 +33,25 @@ def table(results: list[RunResult]) -> str:
 
     rule = "  ".join("-" * w for w in widths)
     return "\n".join([fmt(rows[0]), rule, *(fmt(row) for row in rows[1:])])
+
+
+def headline(results: list[RunResult]) -> str:
+    """The result in one sentence (the figure's title)."""
+    ref, low, scaled = results
+    lost = 100 * (low.flushed_fraction or 0)
+    kept = 100 * (1 - (scaled.flushed_fraction or 0))
+    short = {"float16": "fp16", "bfloat16": "bf16"}.get(low.dtype, low.dtype)
+    if lost < 1:
+        return (
+            f"{short} loses no gradient to underflow ({lost:.1f}% flushed to zero): no loss "
+            f"scaling needed (test R² {low.r2:.3f}, float32 {ref.r2:.3f})"
+        )
+    outcome = "matched float32" if abs(scaled.r2 - ref.r2) < 0.01 else "reached"
+    return (
+        f"Without loss scaling, {short} flushed {lost:.1f}% of the gradient to zero "
+        f"(test R² {low.r2:.3f} vs {ref.r2:.3f} in float32);\nmixprec.GradScaler kept "
+        f"{kept:.1f}% of it and {outcome} (R² {scaled.r2:.3f})"
+    )
 
 
 def verdict(results: list[RunResult]) -> str:
@@ -65,8 +84,17 @@ def _skips(r: RunResult) -> str:
     )
 
 
-def as_json(config: dict[str, Any], results: list[RunResult], figure: str | None) -> str:
+def as_json(
+    config: dict[str, Any],
+    results: list[RunResult],
+    figure: str | None,
+    figure_error: str | None = None,
+) -> str:
     """Everything measured, as one JSON document."""
-    return json.dumps(
-        {"config": config, "runs": [asdict(r) for r in results], "figure": figure}, indent=2
-    )
+    doc = {
+        "config": config,
+        "runs": [asdict(r) for r in results],
+        "figure": figure,
+        "figure_error": figure_error,
+    }
+    return json.dumps(doc, indent=2)

@@ -20,20 +20,16 @@ import torch
 from torch import nn
 
 import mixprec
+from mixprec.cli._command import Command
+from mixprec.cli._output import emit
 from mixprec.errors import ConfigError
 
-__all__ = ["add_parser", "load_factory", "run"]
+__all__ = ["COMMAND", "load_factory", "run"]
 
 _EXAMPLE = "examples/advise_gpt.py:make_gpt"
 
 
-def add_parser(sub: Any) -> None:
-    """Register ``advise`` on an ``argparse`` subparsers object."""
-    p = sub.add_parser(
-        "advise",
-        help="measure every module in low precision and propose a policy",
-        description=__doc__.split("\n\n")[0] if __doc__ else None,
-    )
+def _add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("target", metavar="MODULE:FACTORY", help=f"e.g. {_EXAMPLE}")
     p.add_argument(
         "--candidates",
@@ -49,8 +45,6 @@ def add_parser(sub: Any) -> None:
     p.add_argument("--json", action="store_true", help="print JSON instead of the table")
     p.add_argument("--plot", type=Path, metavar="PATH", help="write the plot (.png, .svg, .pdf)")
     p.add_argument("--threads", type=int, help="CPU threads for torch (default: torch's)")
-    p.add_argument("--no-progress", action="store_true", help="no progress lines on stderr")
-    p.set_defaults(handler=run, check=_check)
 
 
 def _check(args: argparse.Namespace) -> str | None:
@@ -145,7 +139,7 @@ def run(args: argparse.Namespace) -> int:
         check=args.measure,
         progress=progress,
     )
-    print(advice.to_json() if args.json else advice.table())
+    emit(advice.to_json() if args.json else advice.table())
     if args.plot is not None:
         try:
             advice.plot(args.plot)
@@ -153,9 +147,30 @@ def run(args: argparse.Namespace) -> int:
             print(f"mixprec advise: note: no plot: {exc}", file=sys.stderr)
         else:
             if not args.json:
-                print(f"plot: {args.plot}")
+                emit(f"plot: {args.plot}")
     return 0
 
 
 def _progress_lines(done: int, total: int, label: str) -> None:
     print(f"mixprec advise: [{done}/{total}] {label}", file=sys.stderr, flush=True)
+
+
+COMMAND = Command(
+    name="advise",
+    summary="measure every module in low precision and propose a policy",
+    description=(
+        "Measures each module of a model in low precision against a float32 reference and\n"
+        "proposes a precision policy. MODULE:FACTORY names a function of no arguments in an\n"
+        "importable module or a Python file that returns (model, batch, loss_fn), where\n"
+        "loss_fn(model, batch) returns the loss. Prints the advisor's table (or JSON)."
+    ),
+    examples=(
+        f"mixprec advise {_EXAMPLE}",
+        f"mixprec advise {_EXAMPLE} --candidates fp16 --check --json",
+        "mixprec advise mypkg.models:make_model --keep-at-most 2 --plot advice.png",
+    ),
+    add_arguments=_add_arguments,
+    run=run,
+    check=_check,
+    progress=True,
+)

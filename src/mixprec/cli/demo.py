@@ -4,7 +4,9 @@
 2. low-precision autocast (float16 by default) without scaling: small gradients flush to zero;
 3. the same with :class:`mixprec.GradScaler`: the gradients survive and the run tracks float32.
 
-Prints a table (or JSON with ``--json``) and writes a PNG figure into ``--out``.
+Prints a table (or JSON with ``--json``) and writes a PNG figure into ``--out``: the cause (the
+gradients against the low precision's range, without and with the scale), the flushed fraction
+over the steps, the loss curves and the scale.
 """
 
 from __future__ import annotations
@@ -21,10 +23,11 @@ import torch
 
 import mixprec
 from mixprec.cli import _report, _task
+from mixprec.cli._command import Command, CommandError, progress
 from mixprec.cli._figure import PlotUnavailable, write_figure
-from mixprec.cli._progress import Progress
+from mixprec.cli._output import emit, folder_problem, write_file
 
-__all__ = ["add_parser", "run"]
+__all__ = ["COMMAND", "run"]
 
 DEFAULT_STEPS = 300
 DEFAULT_OUT = "mixprec-demo"
@@ -46,6 +49,13 @@ def _int_in(low: int, high: int) -> Any:
     return parse
 
 
+def _available(dev: torch.device) -> bool | None:
+    """``torch.<type>.is_available()`` where torch has one (cuda, mps, xpu, ...), else None."""
+    module = getattr(torch, dev.type, None)
+    check = getattr(module, "is_available", None)
+    return bool(check()) if callable(check) else None
+
+
 def _device(text: str) -> torch.device:
     try:
         dev = torch.device(text)
@@ -53,17 +63,18 @@ def _device(text: str) -> torch.device:
         raise argparse.ArgumentTypeError(
             f"{text!r} is not a device; use cpu, cuda, cuda:1, mps, ..."
         ) from None
-    if dev.type == "cuda" and not torch.cuda.is_available():
+    if _available(dev) is False:
         raise argparse.ArgumentTypeError(
-            f"{text!r}: CUDA is not available here (torch.cuda.is_available() is False); "
-            "use --device cpu"
+            f"{text!r}: no {dev.type} device is available here (torch.{dev.type}.is_available() "
+            "is False); use --device cpu"
         )
     try:
         float((torch.ones(2, device=dev) + 1).sum())  # allocates, computes and reads back
     except Exception as exc:  # any backend error means the device cannot be used
-        first = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
+        first = str(exc).strip().split(". ")[0].splitlines()[0] if str(exc).strip() else ""
+        reason = first[:120] + ("..." if len(first) > 120 else "") or type(exc).__name__
         raise argparse.ArgumentTypeError(
-            f"{text!r} cannot be used ({first}); use --device cpu"
+            f"{text!r} cannot be used ({reason}); use --device cpu"
         ) from None
     return dev
 
@@ -74,45 +85,41 @@ def _dtype(text: str) -> torch.dtype:
     return _DTYPES[text.lower()]
 
 
-def add_parser(sub: Any) -> None:
-    """Register ``demo`` on an ``argparse`` subparsers object."""
-    p = sub.add_parser(
-        "demo",
-        help="train a small network in fp32, fp16 and fp16 + GradScaler, and compare",
-        description=__doc__.split("\n\n")[0] if __doc__ else None,
-    )
-    p.add_argument("--device", type=_device, default=torch.device("cpu"), help="default: cpu")
+def _add_arguments(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--device", type=_device, default="cpu", help="where to train")
     p.add_argument(
-        "--dtype", type=_dtype, default=torch.float16, help="float16 (default) or bfloat16"
+        "--dtype",
+        type=_dtype,
+        default="float16",
+        help="the low precision: float16 (fp16) or bfloat16 (bf16)",
     )
-    p.add_argument("--steps", type=_int_in(1, 1_000_000), default=DEFAULT_STEPS)
+    p.add_argument(
+        "--steps", type=_int_in(1, 1_000_000), default=DEFAULT_STEPS, help="steps per run"
+    )
     p.add_argument(
         "--inject-inf",
         type=_int_in(0, 1_000_000),
         metavar="STEP",
-        help="write an inf into a gradient of the scaled run at STEP (0-based): a skip + backoff",
+        help="write an inf into a gradient of the scaled run at STEP (0..steps-1), as an fp16 "
+        "overflow would: one more skipped step and backoff (default: none)",
     )
-    p.add_argument("--out", type=Path, default=Path(DEFAULT_OUT), help="figure folder")
-    p.add_argument("--seed", type=_int_in(0, 2**63 - 1), default=0)
+    p.add_argument("--out", type=Path, default=DEFAULT_OUT, metavar="DIR", help="figure folder")
+    p.add_argument("--seed", type=_int_in(0, 2**63 - 1), default=0, help="random seed")
     p.add_argument("--json", action="store_true", help="print JSON instead of the table")
-    p.add_argument("--no-progress", action="store_true", help="no progress bar")
     p.add_argument("--no-plot", action="store_true", help="do not draw the figure")
-    p.set_defaults(handler=run, check=_check)
 
 
 def _check(args: argparse.Namespace) -> str | None:
-    """Cross-option checks; returns an error message or None."""
+    """Cross-option checks; returns an error message or None. Creates nothing."""
     if args.inject_inf is not None and args.inject_inf >= args.steps:
-        return f"--inject-inf {args.inject_inf} is not a step of the run; use 0..{args.steps - 1}"
-    if args.out.exists() and not args.out.is_dir():
-        return f"--out {args.out} exists and is not a folder; pass a folder"
+        return (
+            f"--inject-inf {args.inject_inf} is not a step of the run; use "
+            f"0..{args.steps - 1} (--steps {args.steps})"
+        )
     if not args.no_plot:
-        try:
-            args.out.mkdir(parents=True, exist_ok=True)
-        except OSError as exc:
-            return (
-                f"--out {args.out} cannot be created ({exc.strerror or exc}); pass another folder"
-            )
+        problem = folder_problem(args.out)
+        if problem is not None:
+            return f"--out {args.out}: {problem}; pass another folder or --no-plot"
     return None
 
 
@@ -171,28 +178,62 @@ def _cpu_threads(device: torch.device) -> Iterator[int]:
 def run(args: argparse.Namespace) -> int:
     """Train the three runs, then print the table (or JSON) and write the figure."""
     config = _config(args)
-    out = sys.stdout
     if not args.json:
-        print(_intro(config), file=out, flush=True)
+        emit(_intro(config))
     task = _task.make_task(args.seed, args.steps, args.device)
     results = []
     with _cpu_threads(args.device) as threads:
         config["cpu_threads"] = threads
         for spec in _specs(args.dtype):
-            with Progress(args.steps, spec.name, enabled=not args.no_progress) as bar:
+            with progress(args, args.steps, spec.name) as bar:
                 results.append(_task.train(task, spec, args.dtype, args.inject_inf, bar.update))
-    figure, note = None, None
-    if not args.no_plot:
-        try:
-            figure = str(write_figure(results, args.out / FIGURE_NAME))
-        except PlotUnavailable as exc:
-            note = str(exc)
+    figure, note, problem = _draw(args, results)
     if args.json:
-        print(_report.as_json(config, results, figure), file=out)
+        emit(_report.as_json(config, results, figure, problem))
     else:
-        print(f"\n{_report.table(results)}\n\n{_report.verdict(results)}", file=out)
+        emit(f"\n{_report.table(results)}\n\n{_report.verdict(results)}")
         if figure:
-            print(f"Figure: {figure}", file=out)
+            emit(f"Figure: {figure}")
     if note:
         print(f"mixprec demo: note: {note}", file=sys.stderr)
+    if problem:  # the results are out; the exit status says that the figure is missing
+        raise CommandError(problem)
     return 0
+
+
+def _draw(args: argparse.Namespace, results: list[_task.RunResult]) -> tuple[Any, Any, Any]:
+    """Write the figure: (its path, a note, an error), each a string or None."""
+    if args.no_plot:
+        return None, None, None
+    path = args.out / FIGURE_NAME
+    try:
+        write_file(path, lambda tmp: write_figure(results, tmp))
+    except PlotUnavailable as exc:
+        return None, str(exc), None
+    except OSError as exc:
+        reason = exc.strerror or str(exc)
+        return None, None, f"the figure could not be written to {path} ({reason})"
+    return str(path), None, None
+
+
+COMMAND = Command(
+    name="demo",
+    summary="why fp16 training needs loss scaling: one network trained three ways, compared",
+    description=(
+        "Trains the same small network three times, from the same seed, data and batch order:\n"
+        "in float32; with float16 autocast and no loss scaling; and with float16 autocast and\n"
+        "mixprec.GradScaler. Prints a table (or JSON) of what each run measured, and draws a\n"
+        "figure: the gradients against float16's range without and with the scale, the\n"
+        "fraction flushed to zero over the steps, the loss curves and the scale."
+    ),
+    examples=(
+        "mixprec demo",
+        "mixprec demo --dtype bfloat16 --steps 100",
+        "mixprec demo --inject-inf 150 --out results/",
+        "mixprec demo --json --no-plot > demo.json",
+    ),
+    add_arguments=_add_arguments,
+    run=run,
+    check=_check,
+    progress=True,
+)
