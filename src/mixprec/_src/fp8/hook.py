@@ -1,0 +1,123 @@
+"""What a policy rule calls: run one module's own matmuls in fp8 while its forward runs.
+
+The caller (the autocast module-rule hooks) enters :func:`enter_module` before the module's
+forward and :func:`exit_module` after it. In between, a narrowly scoped ``TorchFunctionMode``
+replaces the module's ``F.linear`` call on its own weight with :func:`fp8_linear`; every other
+call passes through. The mode traces under ``torch.compile`` (no graph break) and is re-entered by
+the same hooks when ``torch.utils.checkpoint`` recomputes the module.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+from torch._compile import _disable_dynamo
+from torch.overrides import TorchFunctionMode
+
+from mixprec._src.fp8.matmul import Plan, fp8_linear, use_scaled_mm
+from mixprec._src.fp8.recipes import Recipe
+from mixprec._src.fp8.stats import active_stats
+from mixprec.errors import ConfigError
+
+SERVES = "nn.Linear and its subclasses (modules whose forward calls F.linear on self.weight)"
+
+
+def can_serve(module_type: type) -> bool:
+    """Whether an fp8 rule can run modules of this type in fp8.
+
+    Example:
+        >>> can_serve(nn.Linear), can_serve(nn.Conv2d)
+        (True, False)
+
+    Host sync: none.
+    """
+    return isinstance(module_type, type) and issubclass(module_type, nn.Linear)
+
+
+class Fp8LinearMode(TorchFunctionMode):
+    """Routes ``F.linear(x, weight, bias)`` on one given weight to the fp8 Linear.
+
+    Example:
+        >>> from mixprec._src.fp8.recipes import get_recipe
+        >>> lin = nn.Linear(4, 3)
+        >>> plan = Plan(get_recipe("rowwise"), torch.float32, scaled_mm=False)
+        >>> with Fp8LinearMode(lin.weight, plan):
+        ...     y = lin(torch.randn(2, 4))
+        >>> y.grad_fn.name()
+        'AddBackward0'
+
+    Host sync: none.
+    """
+
+    def __init__(self, weight: torch.Tensor, plan: Plan) -> None:
+        super().__init__()
+        self.weight = weight
+        self.plan = plan
+
+    def __torch_function__(
+        self,
+        func: Callable[..., Any],
+        types: Any,
+        args: tuple[Any, ...] = (),
+        kwargs: dict[str, Any] | None = None,
+    ) -> Any:
+        kwargs = kwargs or {}
+        if func is F.linear:
+            weight = args[1] if len(args) > 1 else kwargs.get("weight")
+            if weight is self.weight:
+                bias = args[2] if len(args) > 2 else kwargs.get("bias")
+                x = args[0] if args else kwargs["input"]
+                return fp8_linear(x, weight, bias, self.plan)
+        return func(*args, **kwargs)
+
+
+def enter_module(
+    module: nn.Module, name: str | None, recipe: Recipe, hp: torch.dtype
+) -> Fp8LinearMode | None:
+    """Start running ``module``'s own matmuls in fp8 (the rest stays as it was); None if it has
+    no weight to serve. ``hp`` is the high-precision dtype around the matmuls. While an
+    :class:`~mixprec.Fp8Stats` is entered, the module's casts are recorded under ``name``.
+
+    Example:
+        >>> from mixprec._src.fp8.recipes import get_recipe
+        >>> lin = nn.Linear(4, 3)
+        >>> token = enter_module(lin, "lin", get_recipe("tensorwise"), torch.float32)
+        >>> y = lin(torch.randn(2, 4)); exit_module(token)
+
+    Host sync: none.
+    """
+    weight = getattr(module, "weight", None)
+    if not isinstance(weight, torch.Tensor):
+        return None
+    stats = active_stats()
+    slot = None
+    if stats is not None:
+        if torch.compiler.is_compiling():
+            _refuse_stats_while_compiling()
+        slot = stats.slot(name or "", weight.device, recipe.name)
+    mode = Fp8LinearMode(weight, Plan(recipe, hp, use_scaled_mm(weight.device), slot))
+    mode.__enter__()
+    return mode
+
+
+_STATS_COMPILE_MSG = (
+    "mixprec.Fp8Stats cannot record inside a torch.compile'd model (a compiled backward cannot "
+    "update its buffers); enter it around an eager forward of the same model (it shares the "
+    "parameters), e.g. one step in a hundred, and keep the compiled model for the others"
+)
+
+
+@_disable_dynamo
+def _refuse_stats_while_compiling() -> None:
+    # Dynamo runs this eagerly (a graph break), so the error reaches the user.
+    raise ConfigError(_STATS_COMPILE_MSG)
+
+
+def exit_module(token: Fp8LinearMode | None) -> None:
+    """Undo :func:`enter_module`. Host sync: none."""
+    if token is not None:
+        token.__exit__(None, None, None)
