@@ -22,6 +22,8 @@ from torch.nn.modules import module as nn_module
 from mixprec._src.autocast._casting import cast_tree, cast_value, first_floating_dtype
 from mixprec._src.autocast.policy import Policy
 from mixprec._src.autocast.rules import Rule
+from mixprec._src.fp8 import hook as fp8_hook
+from mixprec._src.fp8.recipes import get_recipe
 
 
 class Frame:
@@ -273,20 +275,25 @@ def _instance_pre(
     if not torch.is_autocast_enabled(rec.device_type):
         TLS.applied.append((id(module), None))
         return None
-    saved, args, kwargs = _enter_rule(rule, rec, args, kwargs)
+    saved, args, kwargs = _enter_rule(rule, rec, args, kwargs, module)
     TLS.applied.append((id(module), (saved, rule, first_floating_dtype(args, kwargs), rec)))
     return args, kwargs
 
 
 def _enter_rule(
-    rule: Rule, rec: _Record, args: tuple[Any, ...], kwargs: dict[str, Any]
-) -> tuple[tuple[bool, torch.dtype, bool], tuple[Any, ...], dict[str, Any]]:
+    rule: Rule, rec: _Record, args: tuple[Any, ...], kwargs: dict[str, Any], module: nn.Module
+) -> tuple[tuple[bool, torch.dtype, bool, Any], tuple[Any, ...], dict[str, Any]]:
     dev = rec.device_type
     saved = (
         torch.is_autocast_enabled(dev),
         torch.get_autocast_dtype(dev),
         torch.is_autocast_cache_enabled(),
+        None,  # fp8 (#14): what fp8_hook.enter_module returned
     )
+    if rule.compute == "fp8":  # fp8 (#14): own matmuls in fp8, the region's dtype around them
+        assert rule.recipe is not None
+        token = fp8_hook.enter_module(module, rec.name, get_recipe(rule.recipe), rec.low)
+        return (*saved[:3], token), args, kwargs
     if rule.compute in ("fp32", "keep"):
         torch.set_autocast_enabled(dev, False)
         if rule.compute == "fp32":
@@ -309,6 +316,7 @@ def _instance_post(
     if entry is None:
         return None
     saved, rule, in_dtype, rec = entry
+    fp8_hook.exit_module(saved[3])  # fp8 (#14)
     dev = rec.device_type
     torch.set_autocast_enabled(dev, saved[0])
     torch.set_autocast_dtype(dev, saved[1])

@@ -21,6 +21,7 @@ from mixprec._src.autocast._targets import (
     spelled_op,
 )
 from mixprec._src.autocast.rules import Rule, RuleLike, accepted_compute
+from mixprec._src.fp8.hook import SERVES, can_serve  # fp8 (#14)
 from mixprec.errors import ConfigError
 
 
@@ -317,6 +318,11 @@ def _add_module(table: dict[type[nn.Module] | str, Rule], key: object, rule: Rul
         raise ConfigError(
             f"module rule {key!r}: {str(rule)!r} applies to ops only; module rules accept "
             f"{accepted_compute('modules')}"
+        )
+    if rule.compute == "fp8" and isinstance(target, type) and not can_serve(target):  # fp8 (#14)
+        raise ConfigError(
+            f"module rule {class_label(target)}={rule}: fp8 cannot serve {target.__name__}; "
+            f"it serves {SERVES}"
         )
     table[target] = rule
 

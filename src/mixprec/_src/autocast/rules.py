@@ -15,6 +15,7 @@ from dataclasses import dataclass
 import torch
 
 from mixprec._src.autocast._devices import LOW_PRECISION_DTYPES
+from mixprec._src.fp8.recipes import RECIPES as FP8_RECIPES
 from mixprec.errors import ConfigError
 
 
@@ -47,6 +48,8 @@ KINDS: dict[str, ComputeKind] = {
         ComputeKind("low"),  # the region's low-precision dtype
         ComputeKind("keep"),  # autocast off, no casts
         ComputeKind("promote", modules=False),  # ops: the widest floating input dtype
+        # fp8 (#14): the module's own matmuls on fp8 operands, the region's dtype around them
+        ComputeKind("fp8", ops=False, recipes=tuple(FP8_RECIPES)),
     )
 }
 
@@ -167,7 +170,9 @@ class Rule:
         output: optional cast of the result: ``None`` (no cast), ``"input"`` (the dtype of the
             first floating input), ``"low"`` (the region's dtype) or a floating torch dtype.
         recipe: the recipe of a compute kind that takes one, as ``"kind:recipe"`` would give it
-            (no kind takes one today; the default recipe is used when none is given).
+            (the default recipe is used when none is given). ``"fp8"`` (modules only) takes
+            ``"tensorwise"`` (the default), ``"rowwise"`` or ``"rowwise_gw_hp"``: the module's
+            own matmuls on fp8 operands with dynamic scales (docs/fp8.md).
 
     Attributes:
         compute: the compute word (``"fp32"``, ...) or a low-precision dtype.
