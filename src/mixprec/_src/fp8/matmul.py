@@ -152,6 +152,13 @@ class Fp8Linear(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx: Any, dy: torch.Tensor) -> tuple[torch.Tensor | None, ...]:
+        # Native autocast off here too: a compiled backward is traced under the forward's
+        # autocast state, which would turn the fp32 matmuls of dequantized values into bf16 ones.
+        with torch.autocast(dy.device.type, enabled=False):
+            return Fp8Linear._backward(ctx, dy)
+
+    @staticmethod
+    def _backward(ctx: Any, dy: torch.Tensor) -> tuple[torch.Tensor | None, ...]:
         plan: Plan = ctx.plan
         r = plan.recipe
         x_or_q, sx, w_or_q, sw = ctx.saved_tensors
