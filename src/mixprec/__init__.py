@@ -20,6 +20,7 @@ from mixprec._src.autocast.region import autocast
 from mixprec._src.autocast.rules import Rule
 from mixprec._src.autocast.table import policy_table
 from mixprec._src.dist.norms import distributed_clip_grad_norm_
+from mixprec._src.fp8.stats import Fp8Stats
 from mixprec._src.kernels.flat import flatten_grads
 from mixprec._src.master import MasterWeights
 from mixprec._src.plot import plot
@@ -30,6 +31,7 @@ from mixprec._src.scaling.join import JoinableScaler
 __version__ = "0.1.0"
 
 __all__ = [
+    "Fp8Stats",
     "GradScaler",
     "JoinableScaler",
     "MasterWeights",

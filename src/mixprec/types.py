@@ -11,6 +11,7 @@ from mixprec._src.advisor.report import Advice, Fp16Range, Measurement, ModuleAd
 from mixprec._src.anomaly import NonFiniteFinder, NonFiniteReport
 from mixprec._src.autocast.report import DtypeReport, ReportRow
 from mixprec._src.autocast.table import PolicyTable, PolicyTableRow
+from mixprec._src.fp8.stats import Fp8CastStats, Fp8ModuleStats
 from mixprec._src.kernels.flat import FlatGrads
 from mixprec._src.scaling.diagnostics import Diagnosis
 from mixprec._src.scaling.phases import OptState
@@ -21,6 +22,8 @@ __all__ = [
     "Diagnosis",
     "DtypeReport",
     "FlatGrads",
+    "Fp8CastStats",
+    "Fp8ModuleStats",
     "Fp16Range",
     "HistoryEntry",
     "Measurement",

@@ -1,0 +1,206 @@
+"""fp8 recipes on Linear(1024,1024)-GELU-Linear(1024,1024), batch 256: numerics and time.
+
+Numerics: SQNR in dB against the fp32 model of the output, the input gradient and both weight
+gradients, for each recipe run by mixprec (``Policy("nn.Linear=fp8:<recipe>")`` inside a bf16
+region) and by torchao.float8's emulated ``Float8Linear`` on the same bf16 input (the same
+arithmetic), plus bf16 autocast for scale; then again with 8 outlier input rows (x100).
+
+Time: forward+backward per configuration, eager and ``torch.compile``d (inductor), measured side
+by side in one process (shuffled rounds, medians), printed relative to fp32, to bf16 autocast and
+to torchao's emulated path on the same recipe. On a CUDA device with fp8 support mixprec takes
+``torch._scaled_mm``; on the CPU fp8 is a numerics simulator and its speed is that of emulation.
+
+Run: ``python benchmarks/bench_fp8.py [--rounds 7] [--device cpu|cuda] [--no-compile]
+[--recipes tensorwise,rowwise,rowwise_gw_hp] [--batch 256] [--width 1024]``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import copy
+import dataclasses
+import random
+import statistics
+import time
+from collections.abc import Callable
+from contextlib import AbstractContextManager, nullcontext
+from typing import Any
+
+import torch
+from torch import nn
+
+import mixprec
+
+RECIPES = ("tensorwise", "rowwise", "rowwise_gw_hp")
+TORCHAO_NAME = {
+    "tensorwise": "tensorwise",
+    "rowwise": "rowwise",
+    "rowwise_gw_hp": "rowwise_with_gw_hp",
+}
+
+
+def mlp(width: int) -> nn.Sequential:
+    return nn.Sequential(nn.Linear(width, width), nn.GELU(), nn.Linear(width, width))
+
+
+def sqnr(ref: torch.Tensor, got: torch.Tensor) -> float:
+    ref, got = ref.double(), got.double()
+    return float(20 * torch.log10(ref.norm() / (ref - got).norm()))
+
+
+Step = Callable[[torch.Tensor, torch.Tensor], list[torch.Tensor]]
+
+
+def make_step(
+    model: nn.Module,
+    region: Callable[[], AbstractContextManager[Any]],
+    cast_input: torch.dtype | None = None,
+) -> Step:
+    """One forward+backward; returns output, input grad and the two weight grads."""
+
+    def step(x: torch.Tensor, target: torch.Tensor) -> list[torch.Tensor]:
+        for p in model.parameters():
+            p.grad = None
+        x = x.detach().requires_grad_()
+        inp = x if cast_input is None else x.to(cast_input)
+        with region():
+            out = model(inp)
+        loss = (out.float() - target).square().mean()
+        loss.backward()
+        weights = [m.weight.grad for m in model.modules() if isinstance(m, nn.Linear)]
+        return [out, x.grad, *weights]  # type: ignore[list-item]
+
+    return step
+
+
+def torchao_model(model: nn.Module, recipe: str) -> nn.Module:
+    from torchao.float8 import Float8LinearConfig, convert_to_float8_training
+
+    config = Float8LinearConfig.from_recipe_name(TORCHAO_NAME[recipe])
+    config = dataclasses.replace(config, emulate=True)
+    return convert_to_float8_training(copy.deepcopy(model), config=config)
+
+
+def configurations(model: nn.Module, device: str, recipes: list[str]) -> dict[str, Step]:
+    bf16 = torch.bfloat16
+    confs: dict[str, Step] = {
+        "fp32": make_step(model, nullcontext),
+        "bf16 autocast": make_step(model, lambda: torch.autocast(device, dtype=bf16)),
+    }
+    for r in recipes:
+        policy = mixprec.Policy(f"nn.Linear=fp8:{r}")
+        confs[f"mixprec {r}"] = make_step(
+            model, lambda p=policy: mixprec.autocast(device, bf16, policy=p)
+        )
+        confs[f"torchao {r}"] = make_step(torchao_model(model, r), nullcontext, cast_input=bf16)
+    return confs
+
+
+def numerics(
+    model: nn.Module, x: torch.Tensor, target: torch.Tensor, device: str, recipes: list[str]
+) -> list[str]:
+    confs = configurations(model, device, recipes)
+    ref = confs.pop("fp32")(x, target)
+    rows = []
+    for name, step in confs.items():
+        got = step(x, target)
+        cells = " | ".join(f"{sqnr(a, b):6.2f}" for a, b in zip(ref, got, strict=True))
+        rows.append(f"| {name:<22} | {cells} |")
+    return rows
+
+
+def timing(
+    confs: dict[str, Step],
+    x: torch.Tensor,
+    target: torch.Tensor,
+    rounds: int,
+    sync: Callable[[], None],
+) -> dict[str, float]:
+    for step in confs.values():  # warm-up (and compilation)
+        step(x, target)
+        step(x, target)
+    times: dict[str, list[float]] = {k: [] for k in confs}
+    names = list(confs)
+    for _ in range(rounds):
+        random.shuffle(names)
+        for name in names:
+            sync()
+            t0 = time.perf_counter()
+            confs[name](x, target)
+            sync()
+            times[name].append(time.perf_counter() - t0)
+    return {k: statistics.median(v) for k, v in times.items()}
+
+
+def time_table(med: dict[str, float], label: str) -> list[str]:
+    rows = []
+    for name, t in med.items():
+        rel_ao = ""
+        if name.startswith("mixprec "):
+            rel_ao = f"{t / med['torchao ' + name.split()[1]]:.2f}"
+        rows.append(
+            f"| {label:<8} | {name:<22} | {t * 1e3:9.1f} | {t / med['fp32']:6.2f} | "
+            f"{t / med['bf16 autocast']:6.2f} | {rel_ao:>10} |"
+        )
+    return rows
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--rounds", type=int, default=7)
+    ap.add_argument("--device", default="cpu")
+    ap.add_argument("--batch", type=int, default=256)
+    ap.add_argument("--width", type=int, default=1024)
+    ap.add_argument("--recipes", default=",".join(RECIPES))
+    ap.add_argument("--no-compile", action="store_true")
+    args = ap.parse_args(argv)
+    recipes = [r for r in args.recipes.split(",") if r]
+    device = args.device
+    sync = torch.cuda.synchronize if device.startswith("cuda") else (lambda: None)
+    torch.manual_seed(0)
+    model = mlp(args.width).to(device)
+    x = torch.randn(args.batch, args.width, device=device)
+    target = torch.randn(args.batch, args.width, device=device)
+    print(
+        f"torch {torch.__version__}, device {device}, threads {torch.get_num_threads()}, "
+        f"MLP {args.width}-GELU-{args.width}, batch {args.batch}"
+    )
+    print("\nSQNR vs fp32 (dB)\n| configuration          | output | grad_in | grad_W1 | grad_W2 |")
+    print("|---|---:|---:|---:|---:|")
+    print("\n".join(numerics(model, x, target, device, recipes)))
+    outliers = x.clone()
+    outliers[:8] *= 100
+    print("\nwith 8 outlier input rows (x100)")
+    print("\n".join(numerics(model, outliers, target, device, recipes)))
+
+    print("\nforward+backward, median ms; ratios to fp32, bf16 autocast, torchao (same recipe)")
+    print("| mode     | configuration          |        ms |  /fp32 |  /bf16 | /torchao |")
+    print("|---|---|---:|---:|---:|---:|")
+    confs = configurations(model, device, recipes)
+    print("\n".join(time_table(timing(confs, x, target, args.rounds, sync), "eager")), flush=True)
+    if not args.no_compile:
+        torch._dynamo.config.recompile_limit = 64  # eight models share dynamo's code cache
+        names = list(configurations(model, device, recipes))
+        compiled = {name: _compiled(name, model, device) for name in names}
+        print("\n".join(time_table(timing(compiled, x, target, args.rounds, sync), "compiled")))
+    return 0
+
+
+def _compiled(name: str, model: nn.Module, device: str) -> Step:
+    """The same configuration with its model compiled (the region stays around the call)."""
+    bf16 = torch.bfloat16
+    inner = torchao_model(model, name.split()[1]) if name.startswith("torchao ") else model
+    inner = copy.deepcopy(inner)
+    inner.compile()  # in place: the region's module hooks see the model itself
+    if name.startswith("torchao "):
+        return make_step(inner, nullcontext, cast_input=bf16)
+    if name == "fp32":
+        return make_step(inner, nullcontext)
+    if name == "bf16 autocast":
+        return make_step(inner, lambda: torch.autocast(device, dtype=bf16))
+    policy = mixprec.Policy(f"nn.Linear=fp8:{name.split()[1]}")
+    return make_step(inner, lambda: mixprec.autocast(device, bf16, policy=policy))
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
