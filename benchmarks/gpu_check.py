@@ -8,6 +8,10 @@
 2. The benchmark table of ``benchmarks/run.py`` on the GPU.
 3. Host syncs per iteration (``torch.cuda.set_sync_debug_mode("warn")``, counting warnings) for
    plain and fused optimizers, mixprec against torch.amp.
+4. fp8 (#14): whether the device takes ``torch._scaled_mm``, and for each recipe the fp8 Linear's
+   output and gradients through it against the emulated path (SQNR; fast accumulation and the
+   kernels' summation order make them differ slightly), with the ``_scaled_mm`` calls counted.
+   The fp8 speed table is ``python benchmarks/bench_fp8.py --device cuda``.
 
 Run: ``python benchmarks/gpu_check.py [--out report.md] [--repeat 10]``. Without CUDA it says so
 and exits with status 0. ``--device cpu`` runs part 1 on the CPU (a dry run of the script's own
@@ -167,6 +171,60 @@ def sync_table() -> list[str]:
     return rows
 
 
+def fp8_check(
+    device: torch.device, m: int = 256, k: int = 1024, n: int = 1024
+) -> tuple[list[str], bool]:
+    """fp8 (#14): the ``torch._scaled_mm`` path against emulation, per recipe, on ``device``."""
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    from mixprec._src.fp8.matmul import Plan, fp8_linear, use_scaled_mm
+    from mixprec._src.fp8.recipes import RECIPES
+
+    class Count(TorchDispatchMode):
+        calls = 0
+
+        def __torch_dispatch__(self, func: Any, types: Any, args: Any = (), kw: Any = None) -> Any:
+            Count.calls += func is torch.ops.aten._scaled_mm.default
+            return func(*args, **(kw or {}))
+
+    fast = use_scaled_mm(device)
+    rows = [
+        f"torch._scaled_mm used on {device}: {fast}",
+        "",
+        "| recipe | _scaled_mm calls | output dB | grad input dB | grad weight dB |",
+        "|---|---:|---:|---:|---:|",
+    ]
+    ok = True
+    gen = torch.Generator(device="cpu").manual_seed(0)
+    x = torch.randn(m, k, generator=gen).to(device)
+    w = (torch.randn(n, k, generator=gen) / k**0.5).to(device)
+    g = torch.randn(m, n, generator=gen).to(device)
+    for name, recipe in RECIPES.items():
+        results = []
+        for scaled in (fast, False):
+            xi, wi = x.clone().requires_grad_(), w.clone().requires_grad_()
+            Count.calls = 0
+            with Count():
+                out = fp8_linear(xi, wi, None, Plan(recipe, torch.bfloat16, scaled))
+                out.backward(g.to(out.dtype))
+            results.append(([out, xi.grad, wi.grad], Count.calls))
+        (got, calls), (ref, _) = results
+        db = [
+            float(20 * torch.log10(r.detach().double().norm() / (r - a).detach().double().norm()))
+            for a, r in zip(got, ref, strict=True)
+        ]
+        want_calls = (2 if recipe.dy_gw is None else 3) if fast else 0
+        good = calls == want_calls and all(d > 30 for d in db)
+        ok &= good
+        rows.append(
+            f"| {name} | {calls} | "
+            + " | ".join(f"{d:.1f}" for d in db)
+            + " |"
+            + ("" if good else " FAILED")
+        )
+    return rows, ok
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--device", default="cuda", help="cuda (default); cpu: part 1 only")
@@ -193,6 +251,11 @@ def main(argv: list[str] | None = None) -> int:
         print("\n".join(section), flush=True)
         more += section
         section = ["## 3. Host syncs per iteration", "", *sync_table(), ""]
+        print("\n".join(section), flush=True)
+        more += section
+        fp8_rows, fp8_ok = fp8_check(device)  # fp8 (#14)
+        ok &= fp8_ok
+        section = ["## 4. fp8 matmuls: torch._scaled_mm against emulation", "", *fp8_rows, ""]
         print("\n".join(section), flush=True)
         more += section
     footer = (

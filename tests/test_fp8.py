@@ -262,3 +262,21 @@ def test_mode_serves_only_its_weight() -> None:
     with Fp8LinearMode(lin.weight, Plan(get_recipe("tensorwise"), torch.float32, False)):
         assert torch.equal(other(x), want_other)
         assert not torch.equal(lin(x), want_lin)
+
+
+def test_gpu_check_fp8_section_runs_on_cpu(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The GPU script's fp8 check, its _scaled_mm route forced on (tiny aligned shapes)."""
+    import importlib.util
+    from pathlib import Path
+
+    path = Path(__file__).resolve().parent.parent / "benchmarks" / "gpu_check.py"
+    spec = importlib.util.spec_from_file_location("gpu_check_fp8", path)
+    assert spec is not None and spec.loader is not None
+    gpu_check = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(gpu_check)
+    rows, ok = gpu_check.fp8_check(torch.device("cpu"), 16, 32, 48)
+    assert ok and "| tensorwise | 0 |" in "\n".join(rows)  # the CPU: emulation only
+    monkeypatch.setattr(matmul, "use_scaled_mm", lambda device: True)
+    rows, ok = gpu_check.fp8_check(torch.device("cpu"), 16, 32, 48)
+    assert ok, rows
+    assert "| rowwise | 3 |" in "\n".join(rows) and "| rowwise_gw_hp | 2 |" in "\n".join(rows)
