@@ -297,3 +297,50 @@ def test_docstring_examples_run() -> None:
 
     result = doctest.testmod(api)
     assert result.failed == 0 and result.attempted >= 5
+
+
+class _ConvHead(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.conv = nn.Conv1d(4, 8, 3, padding=1)
+        self.fc = nn.Linear(8 * 16, 16)
+        self.head = nn.Linear(16, 4)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.head(torch.relu(self.fc(torch.relu(self.conv(x)).flatten(1))))
+
+
+def test_fp8_candidates_serve_linears_only() -> None:
+    torch.manual_seed(0)
+    model = _ConvHead()
+    batch = (torch.randn(32, 4, 16), torch.randn(32, 4))
+    advice = mixprec.advise(model, batch, mse, candidates=["fp8", "fp8:rowwise"], check=True)
+    rows = {m.name: m for m in advice.modules}
+    assert rows["conv"].measurements == () and rows["conv"].choice == "bf16"
+    assert [x.candidate for x in rows["fc"].measurements] == ["fp8", "fp8:rowwise"]
+    assert rows["fc"].measurements[1].fp8 is not None
+    assert rows["fc"].measurements[1].fp8.recipe == "rowwise"
+    assert str(advice.policy) == "nn.Linear=fp8"  # no target: the cheapest everywhere
+    assert advice.kept_precision == "bf16" and advice.dtype == torch.bfloat16
+    with pytest.raises(ConfigError, match=r"serves nn\.Linear"):
+        mixprec.advise(model, batch, mse, candidates=["fp8"], modules=["conv"])
+
+
+def test_fp8_isolated_figures_agree_with_torchao() -> None:
+    """One Linear at a time in fp8: the advisor's whole-model gradient SQNR against torchao's
+    emulated Float8Linear swapped in for that layer (float32 around it; the advisor rounds the
+    fp8 matmul's result to the region's bf16, hence a small tolerance)."""
+    pytest.importorskip("torchao.float8", reason="torchao is the test-only fp8 oracle")
+    from torchao.float8 import Float8LinearConfig
+    from torchao.float8.float8_linear import Float8Linear
+
+    model, batch = _mlp()
+    advice = mixprec.advise(model, batch, mse, candidates=["fp8:rowwise"])
+    config = Float8LinearConfig.from_recipe_name("rowwise")
+    config = Float8LinearConfig(**{**config.__dict__, "emulate": True})
+    ref = _grads(copy.deepcopy(model), batch)
+    for row in advice.modules:
+        twin = copy.deepcopy(model)
+        twin[int(row.name)] = Float8Linear.from_float(twin[int(row.name)], config=config)
+        oracle = _sqnr(_grads(twin, batch), ref)
+        assert row.measurements[0].model_grad_sqnr == pytest.approx(oracle, abs=0.3), row.name

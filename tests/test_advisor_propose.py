@@ -90,6 +90,52 @@ def test_a_met_target_is_predicted_and_within_the_limit(
         assert kept == min(k, len(values))  # it used every module it was allowed to keep
 
 
+@SETTINGS
+@given(
+    pairs=st.lists(
+        st.tuples(
+            st.floats(min_value=20.0, max_value=60.0), st.floats(min_value=0.0, max_value=20.0)
+        ),
+        min_size=1,
+        max_size=5,
+    ),
+    target=st.floats(min_value=20.0, max_value=60.0),
+    k=st.one_of(st.none(), st.integers(0, 5)),
+)
+def test_two_candidates_keep_the_fewest_modules_of_any_assignment(
+    pairs: list[tuple[float, float]], target: float, k: int | None
+) -> None:
+    """Each module: a cheap candidate, a better one (its SQNR plus a gain), or kept. Against
+    brute force over every assignment: the target is met exactly when some assignment meets it
+    within the limit, and then with the fewest kept modules of any such assignment."""
+    choices = [
+        Choice(
+            f"m{i}",
+            [
+                Option("fp8", db_to_ratio(db), db),
+                Option("fp8:rowwise", db_to_ratio(db + gain), db + gain),
+                Option("bf16", 0.0, math.inf),
+            ],
+        )
+        for i, (db, gain) in enumerate(pairs)
+    ]
+    result = search(choices, db_to_ratio(70.0), target, k)
+    limit = len(pairs) if k is None else k
+    feasible = [
+        sum(a == 2 for a in assign)
+        for assign in itertools.product(range(3), repeat=len(pairs))
+        if sum(a == 2 for a in assign) <= limit
+        and _predicted(
+            db_to_ratio(70.0), [c.options[a].ratio for c, a in zip(choices, assign, strict=True)]
+        )
+        >= target
+    ]
+    assert result.met == bool(feasible)
+    if feasible:
+        assert sum(c.kept for c in result.choices) == min(feasible)
+        assert result.predicted >= target
+
+
 def test_an_intermediate_candidate_is_used_before_keeping() -> None:
     """fp8 -> bf16 -> fp32: a module moves one step at a time, and an option that is worse than
     the current one (bf16 after fp16) is skipped."""

@@ -12,11 +12,13 @@ from torch import nn
 from mixprec._src.advisor import measure
 from mixprec._src.advisor.candidates import Candidate, high_word, parse_candidates, region_dtype
 from mixprec._src.advisor.engine import Engine, Job, Progress, Target, propose_scale
+from mixprec._src.advisor.metrics import db_to_ratio
 from mixprec._src.advisor.propose import Choice, Option, Proposal, build_policy, search
 from mixprec._src.advisor.report import Advice, Fp16Range, Measurement, ModuleAdvice
 from mixprec._src.advisor.select import select
 from mixprec._src.advisor.state import Guard
 from mixprec._src.autocast.rules import format_dtype
+from mixprec._src.fp8 import hook as fp8_hook
 from mixprec.errors import ConfigError
 
 LossFn = Callable[[nn.Module, Any], torch.Tensor]
@@ -39,20 +41,23 @@ def advise(
 
     Runs a float32 reference forward+backward (``loss_fn(model, batch).backward()``), then one
     pass per module and candidate with only that module in the candidate precision, and one
-    pass of the region with every measured module kept. Per module it reports the SQNR of the
-    output, of the input and weight gradients and of the whole model's gradient, and for
-    float16 the values out of range and the gradients that flush to zero with and without loss
-    scaling. The proposal keeps the most sensitive modules out of the candidates until the
-    predicted whole-model gradient SQNR meets ``min_sqnr`` (or keeps the ``keep_at_most`` most
-    sensitive ones). The model's parameters, buffers, ``.grad`` and torch's RNG state are left
-    as they were.
+    pass of the region with every measured module in float32 (the error of the ops between
+    them); around fp8, each kept module is also measured in the region's dtype. Per module it
+    reports the SQNR of the output, of the input and weight gradients and of the whole model's
+    gradient, for float16 the values out of range and the gradients that flush to zero with and
+    without loss scaling, for fp8 the saturated and flushed fractions of each operand. The
+    proposal keeps the most sensitive modules out of the candidates until the predicted
+    whole-model gradient SQNR meets ``min_sqnr`` (or keeps the ``keep_at_most`` most sensitive
+    ones). The model's parameters, buffers, ``.grad`` and torch's RNG state are left as they
+    were.
 
     Args:
         model: the model, on the device to measure on.
         batch: one batch, passed to ``loss_fn`` as is.
         loss_fn: ``loss_fn(model, batch)`` returns the scalar loss (it calls the model).
-        candidates: rule words, cheapest first: ``"fp16"``, ``"bf16"`` (default: the device's
-            autocast dtype, bf16 on the CPU, fp16 elsewhere).
+        candidates: rule words, cheapest first: ``"fp16"``, ``"bf16"``, fp8 recipes
+            (``"fp8"``, ``"fp8:rowwise"``, ``"fp8:rowwise_gw_hp"``; they serve ``nn.Linear``)
+            (default: the device's autocast dtype, bf16 on the CPU, fp16 elsewhere).
         min_sqnr: the target: the least whole-model gradient SQNR in dB.
         keep_at_most: the most modules to keep out of every candidate. Without ``min_sqnr``,
             the ``keep_at_most`` most sensitive modules are kept. With neither, only modules
@@ -93,6 +98,7 @@ def advise(
     chosen = select(model, modules)
     job = Job(model, [batch, *more_batches], loss_fn, device, cands, region, progress)
     job.total_passes = _count_passes(cands, chosen, check)
+    _check_served(cands, chosen)
     with Guard(model, device) as guard:
         engine = Engine(job, guard)
         targets = _targets(chosen, guard.params)
@@ -113,37 +119,30 @@ def _advise(
     ]
     targets = sorted((t for t in targets if t.record.calls), key=lambda t: t.record.first_call)
     uses_fp16 = job.region == torch.float16 or any(c.is_fp16 for c in job.candidates)
-    scale = propose_scale(targets, engine.reference) if uses_fp16 else 1.0
+    engine.scale = propose_scale(targets, engine.reference) if uses_fp16 else 1.0
     ranges = {
-        t.name: measure.fp16_range(t, engine.reference, scale) if uses_fp16 else None
+        t.name: measure.fp16_range(t, engine.reference, engine.scale) if uses_fp16 else None
         for t in targets
     }
-    engine.scale = scale
     found = {
         t.name: [measure.isolated(engine, t, c) for c in job.candidates if c.serves(t.module)]
         for t in targets
     }
-    region_word = format_dtype(job.region)
-    high = high_word(job.candidates, job.region)
-    names = [t.name for t in targets]
-    region_policy = (
-        None
-        if high == region_word
-        else build_policy(job.model, dict.fromkeys(names, high), region_word, names)
-    )
-    region_sqnr = measure.with_policy(engine, "region, measured modules kept", region_policy)
-    choices = [_choice(t.name, found[t.name], high, ranges[t.name]) for t in targets]
-    proposal = search(choices, _ratio(region_sqnr), min_sqnr, keep_at_most)
+    region_word, names = format_dtype(job.region), [t.name for t in targets]
+    islands = build_policy(job.model, dict.fromkeys(names, "fp32"), region_word, names)
+    region_sqnr = measure.with_policy(engine, "region, measured modules in fp32", islands)
+    proposal, kept = _search(engine, targets, found, ranges, region_sqnr, (min_sqnr, keep_at_most))
     picked = {c.name: c.current.word for c in proposal.choices}
     policy = build_policy(job.model, picked, region_word, names)
     measured = measure.with_policy(engine, "check: proposal applied", policy) if check else None
+    rows = [_module_advice(t, found, ranges, proposal, kept) for t in targets]
     return Advice(
         policy=policy,
         dtype=job.region,
         device_type=job.device.type,
-        init_scale=scale if uses_fp16 else None,
-        kept_precision=high,
-        modules=tuple(_module_advice(t, found, ranges, proposal) for t in targets),
+        init_scale=engine.scale if uses_fp16 else None,
+        kept_precision=high_word(job.candidates, job.region),
+        modules=tuple(rows),
         candidates=tuple(c.word for c in job.candidates),
         min_sqnr=min_sqnr,
         keep_at_most=keep_at_most,
@@ -157,16 +156,49 @@ def _advise(
     )
 
 
-def _ratio(db: float) -> float:
-    return 0.0 if db == math.inf else (math.inf if db == -math.inf else 10.0 ** (-db / 10.0))
+def _search(
+    engine: Engine,
+    targets: list[Target],
+    found: dict[str, list[Measurement]],
+    ranges: dict[str, Fp16Range | None],
+    region_sqnr: float,
+    target: tuple[float | None, int | None],
+) -> tuple[Proposal, dict[str, Measurement]]:
+    """The greedy search; when kept modules run in the region's 16-bit dtype (around fp8), each
+    kept module is measured in it too and the search is redone with those figures."""
+    job = engine.job
+    high = high_word(job.candidates, job.region)
+    kept_cand = None if high == "fp32" else Candidate(high, job.region)
+    kept: dict[str, Measurement] = {}
+    while True:
+        choices = [_choice(t.name, found[t.name], ranges[t.name], high, kept) for t in targets]
+        proposal = search(choices, db_to_ratio(region_sqnr), *target)
+        missing = [
+            t
+            for t, c in zip(targets, proposal.choices, strict=True)
+            if c.kept and t.name not in kept
+        ]
+        if kept_cand is None or not missing:
+            return proposal, kept
+        job.total_passes += len(missing)
+        kept.update({t.name: measure.isolated(engine, t, kept_cand) for t in missing})
 
 
-def _choice(name: str, found: list[Measurement], high: str, fp16: Fp16Range | None) -> Choice:
-    options = [
-        Option(m.candidate, _ratio(m.model_grad_sqnr) if m.finite else math.inf, m.model_grad_sqnr)
-        for m in found
-    ]
-    options.append(Option(high, 0.0, math.inf))
+def _option(m: Measurement) -> Option:
+    return Option(
+        m.candidate, db_to_ratio(m.model_grad_sqnr) if m.finite else math.inf, m.model_grad_sqnr
+    )
+
+
+def _choice(
+    name: str,
+    found: list[Measurement],
+    fp16: Fp16Range | None,
+    high: str,
+    kept: dict[str, Measurement],
+) -> Choice:
+    last = _option(kept[name]) if name in kept else Option(high, 0.0, math.inf)
+    options = [_option(m) for m in found] + [last]
     return Choice(name, options, detail=measure.overflow_detail(fp16))
 
 
@@ -175,6 +207,7 @@ def _module_advice(
     found: dict[str, list[Measurement]],
     ranges: dict[str, Fp16Range | None],
     proposal: Proposal,
+    kept: dict[str, Measurement],
 ) -> ModuleAdvice:
     choice = next(c for c in proposal.choices if c.name == t.name)
     return ModuleAdvice(
@@ -186,6 +219,7 @@ def _module_advice(
         fp16=ranges[t.name],
         choice=choice.current.word,
         reason=choice.reason,
+        kept_measurement=kept.get(t.name),
     )
 
 
@@ -199,7 +233,17 @@ def _targets(chosen: list[tuple[str, nn.Module]], params: list[nn.Parameter]) ->
 
 def _count_passes(cands: list[Candidate], chosen: list[tuple[str, nn.Module]], check: bool) -> int:
     isolated = sum(c.serves(m) for c in cands for _, m in chosen)
-    return 1 + isolated + 1 + int(check)
+    return 1 + isolated + 1 + int(check)  # kept modules measured in bf16 around fp8 add more
+
+
+def _check_served(cands: list[Candidate], chosen: list[tuple[str, nn.Module]]) -> None:
+    for cand in cands:
+        if not any(cand.serves(m) for _, m in chosen):
+            names = ", ".join(f"{n} ({type(m).__name__})" for n, m in chosen[:8])
+            raise ConfigError(
+                f"candidate {cand.word!r} serves {fp8_hook.SERVES}; none of the measured "
+                f"modules is one: {names}{', ...' if len(chosen) > 8 else ''}"
+            )
 
 
 def _device_of(model: nn.Module) -> torch.device:

@@ -1,15 +1,19 @@
 """Candidate precisions: what a rule word means to the advisor.
 
-A candidate is a module rule word of :class:`mixprec.Policy` (``"fp16"``, ``"bf16"``, and the
-fp8 recipes when the fp8 rule is available). For each one the advisor needs three things: which
+A candidate is a module rule word of :class:`mixprec.Policy`: ``"fp16"``, ``"bf16"``, or an fp8
+recipe (``"fp8"``, ``"fp8:rowwise"``, ...). For each one the advisor needs three things: which
 modules it can serve, how to run one module in it while the rest of the model stays in float32
 (the isolated pass), and the autocast region dtype a policy using it runs in.
+
+An fp8 candidate runs the module's own matmuls on fp8 operands through the fp8 package's module
+hook, with the region's dtype around them (their results are rounded to it, as under the
+policy), and records the module's fp8 cast statistics.
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable, Sequence
-from contextlib import AbstractContextManager
+from collections.abc import Callable, Iterator, Sequence
+from contextlib import AbstractContextManager, contextmanager
 from dataclasses import dataclass
 from typing import Any
 
@@ -18,6 +22,9 @@ from torch import nn
 
 from mixprec._src.autocast.region import autocast
 from mixprec._src.autocast.rules import Rule, format_dtype
+from mixprec._src.fp8 import hook as fp8_hook
+from mixprec._src.fp8.recipes import get_recipe
+from mixprec._src.fp8.stats import Fp8Stats
 from mixprec.errors import ConfigError
 
 _16BIT = (torch.float16, torch.bfloat16)
@@ -25,10 +32,11 @@ _16BIT = (torch.float16, torch.bfloat16)
 
 @dataclass(frozen=True)
 class Candidate:
-    """One candidate precision: its rule word and, for 16-bit ones, its dtype."""
+    """One candidate precision: its rule word, and its dtype (16-bit) or fp8 recipe."""
 
     word: str
     dtype: torch.dtype | None
+    recipe: str | None = None
 
     @property
     def is_fp16(self) -> bool:
@@ -36,19 +44,41 @@ class Candidate:
 
     def serves(self, module: nn.Module) -> bool:
         """Whether this precision can be applied to ``module`` (16-bit: any module)."""
-        return self.dtype is not None
+        if self.recipe is None:
+            return True
+        return fp8_hook.can_serve(type(module)) and isinstance(
+            getattr(module, "weight", None), torch.Tensor
+        )
 
     def isolated(
-        self, device_type: str, region_dtype: torch.dtype
+        self,
+        module: nn.Module,
+        name: str,
+        device_type: str,
+        region: torch.dtype,
+        stats: Fp8Stats | None,
     ) -> Callable[[], AbstractContextManager[Any]]:
-        """A factory of the region one module runs in while the rest stays in float32."""
-        dtype = self.dtype
+        """A factory of the region ``module`` runs in while the rest stays in float32. An fp8
+        candidate runs the module's matmuls in fp8 with the region's dtype around them (as the
+        policy will) and records the module's casts into ``stats`` under ``name``."""
+        dtype, recipe = self.dtype, self.recipe
+        if recipe is not None:
+            assert stats is not None
+            return lambda: _fp8_module(module, name, recipe, region, stats)
         assert dtype is not None
+        return lambda: autocast(device_type, dtype=dtype)
 
-        def make() -> AbstractContextManager[Any]:
-            return autocast(device_type, dtype=dtype)
 
-        return make
+@contextmanager
+def _fp8_module(
+    module: nn.Module, name: str, recipe: str, hp: torch.dtype, stats: Fp8Stats
+) -> Iterator[None]:
+    with stats:
+        token = fp8_hook.enter_module(module, name, get_recipe(recipe), hp)
+        try:
+            yield
+        finally:
+            fp8_hook.exit_module(token)
 
 
 def parse_candidates(words: Sequence[object] | str | None, device_type: str) -> list[Candidate]:
@@ -81,16 +111,21 @@ def _parse_one(word: object) -> Candidate:
             "such as 'fp16' or 'bf16'"
         )
     rule = Rule(word)  # raises ConfigError listing the accepted words
-    if rule.output is not None or not isinstance(rule.compute, torch.dtype):
+    if rule.output is None and rule.compute == "fp8":
+        return Candidate(str(rule), None, rule.recipe)
+    if rule.output is not None or rule.compute not in _16BIT:
         raise ConfigError(
-            f"candidate {word!r} is not a low precision; candidates are 'fp16' or 'bf16' "
-            "(the regions' dtypes), listed cheapest first"
+            f"candidate {word!r} is not a low precision; candidates are 'fp16', 'bf16' (the "
+            "regions' dtypes) or fp8 recipes ('fp8', 'fp8:rowwise', 'fp8:rowwise_gw_hp'), "
+            "listed cheapest first"
         )
-    return Candidate(str(rule), rule.compute if rule.compute in _16BIT else None)
+    assert isinstance(rule.compute, torch.dtype)
+    return Candidate(str(rule), rule.compute)
 
 
 def region_dtype(candidates: Sequence[Candidate]) -> torch.dtype:
-    """The autocast dtype of the proposed region: the first 16-bit candidate, else bfloat16."""
+    """The autocast dtype of the proposed region: the first 16-bit candidate, else bfloat16
+    (fp8 matmuls run inside a 16-bit region)."""
     for cand in candidates:
         if cand.dtype is not None:
             return cand.dtype

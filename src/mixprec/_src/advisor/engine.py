@@ -53,7 +53,6 @@ class Job:
     region: torch.dtype
     progress: Progress | None = None
     total_passes: int = 0
-    keep_inputs: bool = False
 
 
 class Engine:
@@ -98,7 +97,7 @@ class Engine:
 
     def run_reference(self, targets: Sequence[Target]) -> None:
         """The float32 pass: records every target; raises if it is not finite."""
-        taps = [Tap(t.module, keep_inputs=self.job.keep_inputs) for t in targets]
+        taps = [Tap(t.module) for t in targets]
         grads = self.run("float32 reference", taps)
         for target, tap in zip(targets, taps, strict=True):
             target.record = tap.record

@@ -13,12 +13,14 @@ from mixprec._src.advisor.report import Fp16Range, Measurement
 from mixprec._src.advisor.taps import Tap
 from mixprec._src.autocast.policy import Policy
 from mixprec._src.autocast.region import autocast
+from mixprec._src.fp8.stats import Fp8Stats
 
 
 def isolated(engine: Engine, target: Target, cand: Candidate) -> Measurement:
     """Run ``target`` alone in ``cand`` (the rest in float32) and compare with the reference."""
     tap = Tap(target.module, against=target.record, scale=engine.scale)
-    make = cand.isolated(engine.device_type, engine.job.region)
+    stats = Fp8Stats() if cand.recipe is not None else None
+    make = cand.isolated(target.module, target.name, engine.device_type, engine.job.region, stats)
     grads = engine.run(f"{target.name} in {cand.word}", [tap], isolate=(target.module, make))
     has_input_grads = any(any(g is not None for g in call) for call in target.record.input_grads)
     weight = engine.subset_power(grads, target.param_index) if target.param_index else None
@@ -28,6 +30,7 @@ def isolated(engine: Engine, target: Target, cand: Candidate) -> Measurement:
         output_sqnr=tap.comparison.output.sqnr,
         input_grad_sqnr=tap.comparison.input_grad.sqnr if has_input_grads else None,
         weight_grad_sqnr=None if weight is None else weight.sqnr,
+        fp8=None if stats is None else stats.read().get(target.name),
     )
 
 

@@ -1,13 +1,17 @@
 """The proposal: which precision each measured module gets, and the policy that says it.
 
 The prediction treats the low-precision errors of different modules as independent noise: the
-whole-model gradient error power of a policy is the error of the region itself (every measured
-module kept) plus the sum of the errors each low-precision module causes on its own. Measured on
-a small GPT with fp8 this predicted the all-fp8 and the kept-two SQNRs within 0.1 dB.
+whole-model gradient error power of a policy is the error of the region itself (the ops between
+the measured modules) plus the sum of the errors each module causes on its own in its chosen
+precision (none for float32). Measured on a small GPT with fp8 this predicted the all-fp8 and
+the kept-two SQNRs within 0.1 dB.
 
-The search is greedy: start with every module in its cheapest candidate that stays finite, then,
-while the target is not met, make the single move (a module to its next, more precise option)
-that removes the most error. A module with no finite candidate is kept from the start.
+The search, in order of what matters: meet the target, keep as few modules as possible, use the
+cheapest candidates. A module with no finite candidate is kept from the start. The fewest kept
+modules that can reach the target (everything else in its most precise candidate) are the most
+sensitive ones, taken in order; then every other module starts in its cheapest finite candidate
+and, while the target is not met, the single move (one module to its next, more precise
+candidate) that removes the most error is made.
 """
 
 from __future__ import annotations
@@ -71,48 +75,84 @@ def search(
 ) -> Proposal:
     """Choose an option per module for the target; fills each choice's ``reason``."""
     for c in choices:
-        c.index = c.start = next(i for i, o in enumerate(c.options) if not math.isinf(o.ratio))
+        finite = [i for i, o in enumerate(c.options[:-1]) if not math.isinf(o.ratio)]
+        c.index = c.start = finite[0] if finite else len(c.options) - 1
     limit = math.inf if keep_at_most is None else keep_at_most
-    while True:
-        predicted = ratio_to_db(region_ratio + sum(c.current.ratio for c in choices))
-        kept = sum(c.kept for c in choices)
-        if min_sqnr is not None and predicted >= min_sqnr:
-            break
-        if min_sqnr is None and (keep_at_most is None or kept >= keep_at_most):
-            break
-        move = _best_move(choices, kept < limit, direct=min_sqnr is None)
-        if move is None:
-            break
-        move[0].index, move[0].moved = move[1], True
+    forced = [c for c in choices if c.kept]
+    free = [c for c in choices if not c.kept]
+    if min_sqnr is None:
+        ranked = sorted(free, key=lambda c: -c.current.ratio)
+        extra = [c for c in ranked if c.current.ratio > c.options[-1].ratio]
+        _keep(extra[: max(0, (keep_at_most or 0) - len(forced))])
+    elif ratio_to_db(region_ratio + _kept_noise(forced)) >= min_sqnr:  # else out of reach
+        _keep(_fewest_kept(free, region_ratio + _kept_noise(forced), min_sqnr, limit - len(forced)))
+        _upgrade(choices, region_ratio, min_sqnr)
+    predicted = _predicted(choices, region_ratio)
+    kept = sum(c.kept for c in choices)
     met = (min_sqnr is None or predicted >= min_sqnr) and kept <= limit
     for c in choices:
         c.reason = _reason(c)
     return Proposal(choices, predicted, met, _notes(predicted, region_ratio, kept, min_sqnr, limit))
 
 
-def _best_move(
-    choices: Sequence[Choice], may_keep: bool, direct: bool
-) -> tuple[Choice, int] | None:
-    """The move that removes the most error: (module, its new option index)."""
-    best: tuple[Choice, int] | None = None
-    best_gain = 0.0
+def _predicted(choices: Sequence[Choice], region_ratio: float) -> float:
+    return ratio_to_db(region_ratio + sum(c.current.ratio for c in choices))
+
+
+def _kept_noise(choices: Sequence[Choice]) -> float:
+    return sum(c.options[-1].ratio for c in choices)
+
+
+def _best(c: Choice) -> float:
+    """The least error among the module's candidates (not counting keeping it)."""
+    return min(o.ratio for o in c.options[:-1])
+
+
+def _keep(choices: Sequence[Choice]) -> None:
     for c in choices:
-        if c.kept:
-            continue
-        last = len(c.options) - 1
-        nxt = last if direct else _next_better(c)
-        if nxt == last and not may_keep:
-            continue
-        gain = c.current.ratio - c.options[nxt].ratio
-        if gain > best_gain:
-            best, best_gain = (c, nxt), gain
-    return best
+        c.index, c.moved = len(c.options) - 1, True
 
 
-def _next_better(c: Choice) -> int:
-    """The next option with less error (the kept precision has none)."""
+def _fewest_kept(free: list[Choice], base: float, min_sqnr: float, room: float) -> list[Choice]:
+    """The fewest modules to keep (at most ``room``) so that, with the others in their most
+    precise candidates, the target is reachable: the largest errors first. When even ``room``
+    of them do not suffice, as many as allowed."""
+    order = sorted((c for c in free if c.options[-1].ratio < _best(c)), key=lambda c: -(_best(c)))
+    count = 0
+    while count < min(room, len(order)):
+        rest = sum(_best(c) for c in free if c not in order[:count])
+        if ratio_to_db(base + rest + _kept_noise(order[:count])) >= min_sqnr:
+            break
+        count += 1
+    return order[:count]
+
+
+def _upgrade(choices: list[Choice], region_ratio: float, min_sqnr: float) -> None:
+    """From the cheapest candidates, make the move that removes the most error until the
+    target is met (kept modules stay kept)."""
+    while _predicted(choices, region_ratio) < min_sqnr:
+        best: tuple[Choice, int] | None = None
+        best_gain = 0.0
+        for c in choices:
+            if c.kept:
+                continue
+            nxt = _next_better(c)
+            if nxt is None:
+                continue
+            gain = c.current.ratio - c.options[nxt].ratio
+            if gain > best_gain:
+                best, best_gain = (c, nxt), gain
+        if best is None:
+            return
+        best[0].index, best[0].moved = best[1], True
+
+
+def _next_better(c: Choice) -> int | None:
+    """The next candidate with less error (keeping the module is not a move here)."""
     ratio = c.current.ratio
-    return next(i for i in range(c.index + 1, len(c.options)) if c.options[i].ratio < ratio)
+    return next(
+        (i for i in range(c.index + 1, len(c.options) - 1) if c.options[i].ratio < ratio), None
+    )
 
 
 def _reason(c: Choice) -> str:

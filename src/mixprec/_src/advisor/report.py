@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import json
 import math
-from dataclasses import dataclass, field
+from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -12,6 +12,7 @@ import torch
 
 from mixprec._src.autocast.policy import Policy
 from mixprec._src.autocast.rules import format_dtype
+from mixprec._src.fp8.stats import Fp8ModuleStats
 
 
 @dataclass(frozen=True)
@@ -27,7 +28,8 @@ class Measurement:
         output_sqnr: SQNR of the module's outputs.
         input_grad_sqnr: SQNR of the gradient of the module's inputs (None: no input needs one).
         weight_grad_sqnr: SQNR of the gradient of the module's own parameters (None: none).
-        estimated: ``model_grad_sqnr`` is an estimate (``mode="estimate"``), not measured.
+        fp8: for an fp8 candidate, the module's fp8 cast statistics per operand (amax, scale,
+            saturated and flushed fractions, non-finite count), else None.
     """
 
     candidate: str
@@ -35,7 +37,7 @@ class Measurement:
     output_sqnr: float
     input_grad_sqnr: float | None
     weight_grad_sqnr: float | None
-    estimated: bool = False
+    fp8: Fp8ModuleStats | None = None
 
     @property
     def finite(self) -> bool:
@@ -79,6 +81,8 @@ class ModuleAdvice:
         fp16: its float16 range figures (None unless ``"fp16"`` is a candidate).
         choice: the rule word it gets in the proposal (a candidate, or the kept precision).
         reason: why, in a few words.
+        kept_measurement: when the module is kept in the region's 16-bit dtype (around fp8
+            candidates), its measurement in that dtype, which the prediction includes.
     """
 
     name: str
@@ -89,6 +93,7 @@ class ModuleAdvice:
     fp16: Fp16Range | None
     choice: str
     reason: str
+    kept_measurement: Measurement | None = None
 
     def measurement(self, candidate: str) -> Measurement | None:
         """The measurement for ``candidate`` (None if that candidate cannot serve the module).
@@ -118,8 +123,8 @@ class Advice:
         keep_at_most: the stated limit on kept modules, if any.
         met: whether the predicted SQNR meets ``min_sqnr`` within the limit.
         predicted_sqnr: the predicted whole-model gradient SQNR of the proposal (dB).
-        region_sqnr: the measured SQNR of the region with every measured module kept (the error
-            of the ops outside the measured modules, which no module rule removes).
+        region_sqnr: the SQNR of the region with every measured module in float32: the error of
+            the ops between the measured modules, which no module rule removes.
         measured_sqnr: the SQNR measured with the proposal applied (``check=True``), else None.
         mode: ``"exact"`` or ``"estimate"``.
         passes: forward+backward passes over the batches that the advice took.
@@ -219,8 +224,9 @@ def _module_dict(m: ModuleAdvice) -> dict[str, Any]:
         "calls": m.calls,
         "choice": m.choice,
         "reason": m.reason,
-        "measurements": [vars(x).copy() for x in m.measurements],
-        "fp16": None if m.fp16 is None else vars(m.fp16).copy(),
+        "measurements": [asdict(x) for x in m.measurements],
+        "fp16": None if m.fp16 is None else asdict(m.fp16),
+        "kept_measurement": None if m.kept_measurement is None else asdict(m.kept_measurement),
     }
 
 

@@ -30,7 +30,29 @@ def _header(advice: Advice) -> list[str]:
         cols += [f"{word} model", "out", "in-grad", "w-grad"]
     if _has_fp16(advice):
         cols += ["fp16 >max", "flush@1", "flush@scale"]
+    if _fp8_words(advice):
+        cols += ["fp8 sat", "fp8 flush"]
     return [*cols, "decision", "why"]
+
+
+def _fp8_words(advice: Advice) -> list[str]:
+    return [w for w in advice.candidates if w.startswith("fp8")]
+
+
+def _fp8_cells(advice: Advice, m: ModuleAdvice) -> list[str]:
+    """The largest saturated and flushed fractions over the module's operands and fp8
+    candidates, with the operand (in, w, go: input, weight, grad_output)."""
+    worst = {"saturated": (0.0, ""), "flushed": (0.0, "")}
+    for word in _fp8_words(advice):
+        x = m.measurement(word)
+        if x is None or x.fp8 is None:
+            continue
+        for short, operand in (("in", "input"), ("w", "weight"), ("go", "grad_output")):
+            stats = getattr(x.fp8, operand)
+            for key in worst:
+                if getattr(stats, key) > worst[key][0]:
+                    worst[key] = (getattr(stats, key), short)
+    return [f"{_pct(v)} {op}".strip() for v, op in worst.values()]
 
 
 def _has_fp16(advice: Advice) -> bool:
@@ -44,9 +66,8 @@ def _row(advice: Advice, m: ModuleAdvice) -> list[str]:
         if x is None:
             cells += ["n/a", "", "", ""]
             continue
-        model = fmt_db(x.model_grad_sqnr) + ("~" if x.estimated else "")
         cells += [
-            model,
+            fmt_db(x.model_grad_sqnr),
             fmt_db(x.output_sqnr),
             fmt_db(x.input_grad_sqnr),
             fmt_db(x.weight_grad_sqnr),
@@ -58,6 +79,8 @@ def _row(advice: Advice, m: ModuleAdvice) -> list[str]:
             if f is None
             else [str(f.output_overflow), _pct(f.flushed_unscaled), _pct(f.flushed_scaled)]
         )
+    if _fp8_words(advice):
+        cells += _fp8_cells(advice, m)
     return [*cells, m.choice, m.reason]
 
 
@@ -114,6 +137,6 @@ def _prediction(advice: Advice) -> str:
     )
     return (
         f"predicted:   {fmt_db(advice.predicted_sqnr)} dB whole-model gradient SQNR, "
-        f"{len(advice.kept)} kept in {advice.kept_precision}{status}; the region alone "
-        f"{fmt_db(advice.region_sqnr)} dB"
+        f"{len(advice.kept)} kept in {advice.kept_precision}{status}; the ops between the "
+        f"measured modules alone: {fmt_db(advice.region_sqnr)} dB"
     )

@@ -3,7 +3,7 @@
 A tap sees every call of its module: the floating outputs, the gradient of the module's floating
 inputs (each input is replaced by an alias, ``t.view_as(t)``, so that the gradient recorded is
 the one flowing through this module only, not through a residual branch that shares the
-tensor), and, in the reference pass, the gradient of the outputs and the inputs themselves.
+tensor), and, in the reference pass, the gradient of the outputs.
 """
 
 from __future__ import annotations
@@ -30,7 +30,6 @@ class Record:
     """What the reference pass saw of one module, call by call (float32 copies)."""
 
     def __init__(self) -> None:
-        self.inputs: list[list[torch.Tensor]] = []
         self.input_grads: list[list[torch.Tensor | None]] = []
         self.outputs: list[list[torch.Tensor]] = []
         self.output_grads: list[list[torch.Tensor | None]] = []
@@ -52,8 +51,7 @@ class Comparison:
 class Tap:
     """Hooks on one module: record into ``record`` or, when ``against`` is given, compare.
 
-    ``scale`` is the loss scale of the pass (gradients are divided by it before comparing);
-    ``keep_inputs`` also records the inputs (the estimate replays the module on them).
+    ``scale`` is the loss scale of the pass (gradients are divided by it before comparing).
     """
 
     def __init__(
@@ -61,12 +59,10 @@ class Tap:
         module: nn.Module,
         against: Record | None = None,
         scale: float = 1.0,
-        keep_inputs: bool = False,
     ) -> None:
         self.module = module
         self.against = against
         self.scale = scale
-        self.keep_inputs = keep_inputs
         self.record = Record()
         self.comparison = Comparison()
         self._call = 0
@@ -88,9 +84,6 @@ class Tap:
         slots: list[torch.Tensor | None] = []
         if self.against is None:
             self.record.input_grads.append(slots)
-            if self.keep_inputs:
-                leaves = [t for t in tree_flatten((args, kwargs))[0] if _floating(t)]
-                self.record.inputs.append([t.detach().clone() for t in leaves])
 
         def alias(t: Any) -> Any:
             if not (_floating(t) and t.requires_grad):
