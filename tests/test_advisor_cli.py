@@ -65,3 +65,18 @@ def test_bad_options_are_usage_errors() -> None:
     assert code == 2 and "--keep-at-most -1" in err
     code, _, err = _run(["advise", FACTORY, "--candidates", "fp64", "--no-progress"])
     assert code == 1 and "unknown precision rule 'fp64'" in err
+
+
+def test_benchmark_quick_prints_every_table(capsys: pytest.CaptureFixture[str]) -> None:
+    import importlib.util
+
+    path = Path(__file__).resolve().parent.parent / "benchmarks" / "bench_advisor.py"
+    spec = importlib.util.spec_from_file_location("bench_advisor", path)
+    assert spec is not None and spec.loader is not None
+    bench = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(bench)
+    assert bench.main(["--quick", "--threads", "1"]) == 0
+    out = capsys.readouterr().out
+    for text in ("| exact |", "| exact + check |", "| fp8 |", "torchao", "fp16 target: kept"):
+        assert text in out, text
+    assert "deterministic: yes" in out
