@@ -5,12 +5,17 @@ PY     := $(VENV)/bin/python
 STAMP  := $(VENV)/.installed
 CODE   := $(wildcard src tests benchmarks examples)
 
-.PHONY: venv demo test lint typecheck bench clean
+.PHONY: venv demo test lint typecheck bench docs-numbers clean
 
 $(STAMP): pyproject.toml constraints.txt
 	$(PYTHON) -m venv $(VENV)
 	$(PY) -m pip install -q --upgrade pip
 	$(PY) -m pip install -q -c constraints.txt -e '.[test,progress,plot,lightning,accelerate,tensorboard]'
+	# The recipes' trainers (docs/transformers.md, timm.md, lightning.md; tests/test_recipes.py):
+	# both Lightning distributions, transformers, and timm without its torchvision (no CPU build
+	# of torchvision installs beside the CPU torch).
+	$(PY) -m pip install -q -c constraints.txt lightning transformers
+	$(PY) -m pip install -q -c constraints.txt --no-deps timm
 	touch $(STAMP)
 
 venv: $(STAMP)
@@ -30,6 +35,9 @@ test: lint typecheck
 
 bench: $(STAMP)
 	$(PY) benchmarks/run.py
+
+docs-numbers: $(STAMP)
+	$(PY) -m tests.test_docs_numbers --write
 
 clean:
 	rm -rf $(VENV) build dist *.egg-info src/*.egg-info .pytest_cache .mypy_cache .ruff_cache

@@ -14,8 +14,11 @@ assigning it).
 
 Lightning ships as two packages with separate class hierarchies, ``lightning`` (imported as
 ``lightning.pytorch``) and ``pytorch-lightning`` (``pytorch_lightning``); a Trainer accepts only
-plugins of its own. :func:`plugin_class` builds the plugin for either; ``MixprecPrecision``
-picks the one your program already imported (``lightning.pytorch`` when both or neither are).
+plugins of its own. :func:`plugin_class` builds the plugin for either. ``MixprecPrecision(...)``
+picks the package when it is called, not when it is imported: the one your program has imported
+by then (so the import order does not matter). When both are imported it cannot tell which
+Trainer the plugin is for and raises :class:`~mixprec.errors.ConfigError` naming the two
+classes; when neither is, it imports the installed one (``lightning.pytorch`` first).
 """
 
 from __future__ import annotations
@@ -34,9 +37,8 @@ from mixprec._src.scaling.grad_scaler import GradScaler
 from mixprec.errors import ConfigError
 from mixprec.integrations.schedulers import SkipAwareScheduler
 
-# MixprecPrecision is built on first access by the module __getattr__ below.
 __all__ = [
-    "MixprecPrecision",  # noqa: F822
+    "MixprecPrecision",
     "fsdp_precision",
     "plugin_class",
     "wrap_step_schedulers",
@@ -56,6 +58,14 @@ def _resolve(package: str | None) -> str:
     imported = [name for name in PACKAGES if name in sys.modules]
     if len(imported) == 1:
         return imported[0]
+    if imported:
+        raise ConfigError(
+            "Both lightning.pytorch and pytorch_lightning are imported, and a Trainer accepts "
+            "only a plugin of its own package, so MixprecPrecision cannot tell which to build. "
+            "Name it: mixprec.integrations.lightning.plugin_class('lightning.pytorch')(...) for "
+            "lightning.pytorch.Trainer, plugin_class('pytorch_lightning')(...) for "
+            "pytorch_lightning.Trainer."
+        )
     for name in PACKAGES:
         if importlib.util.find_spec(name.split(".")[0]) is not None:
             return name
@@ -232,7 +242,33 @@ def fsdp_precision(
     return plugin
 
 
-def __getattr__(name: str) -> Any:
-    if name == "MixprecPrecision":
-        return plugin_class()
-    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+class _PickedWhenCalled(type):
+    """``isinstance(plugin, MixprecPrecision)`` holds for the plugin of either package."""
+
+    def __instancecheck__(cls, obj: object) -> bool:
+        return any(isinstance(obj, built) for built in _CLASSES.values())
+
+    def __subclasscheck__(cls, sub: type) -> bool:
+        return any(issubclass(sub, built) for built in _CLASSES.values())
+
+
+class MixprecPrecision(metaclass=_PickedWhenCalled):
+    """Lightning's ``MixedPrecision`` plugin with a :class:`~mixprec.GradScaler` and skip-aware
+    step schedulers, for the Lightning package the program imported (see the module docstring;
+    ``plugin_class(package)`` names it). Arguments: see :func:`plugin_class`'s class.
+
+    Raises:
+        ConfigError: both ``lightning.pytorch`` and ``pytorch_lightning`` are imported (name
+            the package with :func:`plugin_class`), or a bad argument.
+
+    Example:
+        >>> from mixprec.integrations.lightning import MixprecPrecision
+        >>> plugin = MixprecPrecision("16-mixed", "cpu")  # Trainer(plugins=[plugin])
+        >>> plugin.scaler.get_scale()
+        65536.0
+
+    Host sync: none.
+    """
+
+    def __new__(cls, *args: Any, **kwargs: Any) -> Any:
+        return plugin_class()(*args, **kwargs)
