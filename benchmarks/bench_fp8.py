@@ -89,8 +89,8 @@ def configurations(model: nn.Module, device: str, recipes: list[str]) -> dict[st
     }
     for r in recipes:
         policy = mixprec.Policy(f"nn.Linear=fp8:{r}")
-        confs[f"mixprec {r}"] = make_step(
-            model, lambda p=policy: mixprec.autocast(device, bf16, policy=p)
+        confs[f"mixprec {r}"] = make_step(  # its own copy: no rule bindings shared
+            copy.deepcopy(model), lambda p=policy: mixprec.autocast(device, bf16, policy=p)
         )
         confs[f"torchao {r}"] = make_step(torchao_model(model, r), nullcontext, cast_input=bf16)
     return confs
