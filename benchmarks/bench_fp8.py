@@ -44,7 +44,7 @@ def mlp(width: int) -> nn.Sequential:
 
 
 def sqnr(ref: torch.Tensor, got: torch.Tensor) -> float:
-    ref, got = ref.double(), got.double()
+    ref, got = ref.detach().double(), got.detach().double()
     return float(20 * torch.log10(ref.norm() / (ref - got).norm()))
 
 

@@ -280,3 +280,21 @@ def test_gpu_check_fp8_section_runs_on_cpu(monkeypatch: pytest.MonkeyPatch) -> N
     rows, ok = gpu_check.fp8_check(torch.device("cpu"), 16, 32, 48)
     assert ok, rows
     assert "| rowwise | 3 |" in "\n".join(rows) and "| rowwise_gw_hp | 2 |" in "\n".join(rows)
+
+
+def test_bench_fp8_prints_its_tables(capsys: pytest.CaptureFixture[str]) -> None:
+    """benchmarks/bench_fp8.py runs (tiny sizes, eager only; nothing here measures speed)."""
+    import importlib.util
+    from pathlib import Path
+
+    path = Path(__file__).resolve().parent.parent / "benchmarks" / "bench_fp8.py"
+    spec = importlib.util.spec_from_file_location("bench_fp8", path)
+    assert spec is not None and spec.loader is not None
+    bench = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(bench)
+    args = ["--width", "32", "--batch", "16", "--rounds", "1", "--no-compile"]
+    assert bench.main(args) == 0
+    out = capsys.readouterr().out
+    for recipe in RECIPES:
+        assert f"| mixprec {recipe}" in out and f"| torchao {recipe}" in out
+    assert out.count("| eager ") == 2 + 2 * len(RECIPES)
