@@ -256,3 +256,14 @@ def test_fabric_recipe_matches_a_hand_written_torch_loop() -> None:
         assert torch.equal(a, b)
     state = scaler.state_dict()
     assert {k: state[k] for k in TORCH_KEYS} == {k: ref.state_dict()[k] for k in TORCH_KEYS}
+
+
+def test_plugin_pickles_and_copies() -> None:
+    """The class behind MixprecPrecision is built per package, so pickle goes by package."""
+    import copy
+    import pickle
+
+    plugin = MixprecPrecision("16-mixed", "cpu", mixprec.GradScaler(init_scale=1024.0))
+    for clone in (pickle.loads(pickle.dumps(plugin)), copy.deepcopy(plugin)):
+        assert type(clone) is type(plugin) and clone is not plugin
+        assert clone.scaler.get_scale() == 1024.0 and clone.skip_aware_schedulers

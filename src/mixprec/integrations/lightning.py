@@ -198,6 +198,13 @@ def _build_plugin_class(package: str) -> type:
             if _KEY not in checkpoint and checkpoint.get(_STOCK_KEY):
                 self.load_state_dict(checkpoint[_STOCK_KEY])
 
+        def __reduce_ex__(self, protocol: Any) -> Any:
+            """Pickle by package: the name ``MixprecPrecision`` is the picking facade.
+
+            Host sync: none.
+            """
+            return (_rebuild, (package,), self.__getstate__())
+
         def last_step_skipped(self, optimizer: torch.optim.Optimizer | None = None) -> bool:
             """``scaler.last_step_skipped(optimizer)``.
 
@@ -208,6 +215,12 @@ def _build_plugin_class(package: str) -> type:
     MixprecPrecision.__module__ = __name__
     MixprecPrecision.__qualname__ = "MixprecPrecision"
     return MixprecPrecision
+
+
+def _rebuild(package: str) -> Any:
+    """An empty plugin of ``package``'s class, for unpickling (the state is set after)."""
+    cls: Any = plugin_class(package)
+    return cls.__new__(cls)
 
 
 def fsdp_precision(
