@@ -80,3 +80,15 @@ def test_benchmark_quick_prints_every_table(capsys: pytest.CaptureFixture[str]) 
     for text in ("| exact |", "| exact + check |", "| fp8 |", "torchao", "fp16 target: kept"):
         assert text in out, text
     assert "deterministic: yes" in out
+
+
+def test_plot_into_a_new_folder_and_an_unwritable_one(tmp_path: Path) -> None:
+    plot = tmp_path / "new" / "advice.svg"
+    argv = ["advise", FACTORY, "--candidates", "fp16", "--no-progress", "--plot"]
+    code, out, err = _run([*argv, str(plot)])
+    assert code == 0, err
+    assert plot.read_text().startswith("<?xml") and f"plot: {plot}" in out
+    blocker = tmp_path / "file"
+    blocker.write_text("")
+    code, _, err = _run([*argv, str(blocker / "advice.png")])
+    assert code == 2 and "exists and is not a folder" in err

@@ -20,8 +20,8 @@ import torch
 from torch import nn
 
 import mixprec
-from mixprec.cli._command import Command
-from mixprec.cli._output import emit
+from mixprec.cli._command import Command, CommandError
+from mixprec.cli._output import emit, folder_problem, write_file
 from mixprec.errors import ConfigError
 
 __all__ = ["COMMAND", "load_factory", "run"]
@@ -34,11 +34,20 @@ def _add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument(
         "--candidates",
         default=None,
-        help="rule words, cheapest first, comma-separated (default: bf16 on the CPU, else fp16)",
+        help="rule words, cheapest first, comma-separated: fp16, bf16, fp8, fp8:rowwise, "
+        "fp8:rowwise_gw_hp (default: bf16 on the CPU, else fp16)",
     )
-    p.add_argument("--min-sqnr", type=float, metavar="DB", help="target whole-model grad SQNR")
-    p.add_argument("--keep-at-most", type=int, metavar="K", help="keep at most K modules")
-    p.add_argument("--modules", help="comma-separated name globs to measure (default: leaves)")
+    p.add_argument(
+        "--min-sqnr", type=float, metavar="DB", help="target: the least whole-model gradient SQNR"
+    )
+    p.add_argument(
+        "--keep-at-most", type=int, metavar="K", help="keep at most K modules out of the candidates"
+    )
+    p.add_argument(
+        "--modules",
+        help="comma-separated name globs to measure (default: every leaf module with trainable "
+        "parameters except norms and embeddings)",
+    )
     p.add_argument(
         "--check", dest="measure", action="store_true", help="apply the proposal and measure it"
     )
@@ -55,8 +64,10 @@ def _check(args: argparse.Namespace) -> str | None:
         return f"--keep-at-most {args.keep_at_most}: use 0 or more"
     if args.threads is not None and args.threads < 1:
         return f"--threads {args.threads}: use 1 or more"
-    if args.plot is not None and not args.plot.parent.is_dir():
-        return f"--plot {args.plot}: folder {args.plot.parent} does not exist"
+    if args.plot is not None:
+        problem = folder_problem(args.plot.parent)
+        if problem is not None:
+            return f"--plot {args.plot}: {problem}"
     return None
 
 
@@ -142,9 +153,12 @@ def run(args: argparse.Namespace) -> int:
     emit(advice.to_json() if args.json else advice.table())
     if args.plot is not None:
         try:
-            advice.plot(args.plot)
+            write_file(args.plot, advice.plot)
         except ImportError as exc:
             print(f"mixprec advise: note: no plot: {exc}", file=sys.stderr)
+        except OSError as exc:
+            reason = exc.strerror or str(exc)
+            raise CommandError(f"the plot could not be written to {args.plot} ({reason})") from None
         else:
             if not args.json:
                 emit(f"plot: {args.plot}")
@@ -162,12 +176,13 @@ COMMAND = Command(
         "Measures each module of a model in low precision against a float32 reference and\n"
         "proposes a precision policy. MODULE:FACTORY names a function of no arguments in an\n"
         "importable module or a Python file that returns (model, batch, loss_fn), where\n"
-        "loss_fn(model, batch) returns the loss. Prints the advisor's table (or JSON)."
+        "loss_fn(model, batch) returns the loss. Prints the advisor's table (or JSON); see\n"
+        "docs/advisor.md."
     ),
     examples=(
-        f"mixprec advise {_EXAMPLE}",
-        f"mixprec advise {_EXAMPLE} --candidates fp16 --check --json",
-        "mixprec advise mypkg.models:make_model --keep-at-most 2 --plot advice.png",
+        f"mixprec advise {_EXAMPLE} --candidates fp8 --min-sqnr 30 --keep-at-most 2 --check",
+        f"mixprec advise {_EXAMPLE} --candidates fp8,fp8:rowwise --min-sqnr 30 --json",
+        "mixprec advise mypkg.models:make_model --candidates fp16 --check --plot advice.png",
     ),
     add_arguments=_add_arguments,
     run=run,
