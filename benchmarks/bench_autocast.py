@@ -12,13 +12,16 @@ configuration is also compared with a hand-written native equivalent doing the s
 ``--construction`` measures instead what a training loop pays to build a policy (and a region
 with it) every step, against entering and leaving a ``torch.autocast``, side by side.
 
+``--region`` times the no-policy region itself inside a training step (building it, entering,
+leaving; caches are cold there, unlike in a loop of empty regions), against ``torch.autocast``.
+
 ``--reuse`` measures what mixprec's training regions pay for casting weights per use instead of
 through torch's weight cache (the change that makes checkpoint recomputation exact): a block
 whose weight is used ``--uses`` times in one region; step time against ``torch.autocast``, and the
 bytes autograd keeps for backward.
 
 Run: ``python benchmarks/bench_autocast.py [--rounds 200] [--iters 10] [--size tiny|medium]
-[--device cpu|cuda] [--dtype bf16|fp16] [--construction] [--reuse [--uses 4]]``.
+[--device cpu|cuda] [--dtype bf16|fp16] [--construction] [--region] [--reuse [--uses 4]]``.
 """
 
 from __future__ import annotations
@@ -272,6 +275,35 @@ def saved_bytes(model: nn.Module, ctx: Callable[[], Any], x: torch.Tensor, y: to
     return sum(seen.values())
 
 
+def region_phases(
+    model: nn.Module, x: torch.Tensor, y: torch.Tensor, rounds: int
+) -> dict[str, list[tuple[float, ...]]]:
+    """Microseconds to build, enter and leave each region inside a training step, per step."""
+    makers: dict[str, Callable[[], Any]] = {
+        "torch.autocast": lambda: torch.autocast(DEVICE, dtype=DTYPE),
+        "mixprec.autocast": lambda: mixprec.autocast(DEVICE, DTYPE),
+    }
+    clock = time.perf_counter
+    out: dict[str, list[tuple[float, ...]]] = {name: [] for name in makers}
+    for i in range(rounds + 20):
+        for name, make in makers.items():
+            t0 = clock()
+            region = make()
+            t1 = clock()
+            region.__enter__()
+            t2 = clock()
+            loss = F.cross_entropy(model(x), y)
+            t3 = clock()
+            region.__exit__(None, None, None)
+            t4 = clock()
+            loss.backward()
+            for p in model.parameters():
+                p.grad = None
+            if i >= 20:  # warm-up
+                out[name].append(tuple(1e6 * d for d in (t1 - t0, t2 - t1, t4 - t3)))
+    return out
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__)
     parser.add_argument("--rounds", type=int, default=200)
@@ -281,6 +313,7 @@ def main() -> None:
     parser.add_argument("--device", default="cpu")
     parser.add_argument("--dtype", choices=["bf16", "fp16"], default="bf16")
     parser.add_argument("--construction", action="store_true", help="per-step construction cost")
+    parser.add_argument("--region", action="store_true", help="the region's own cost in a step")
     parser.add_argument("--reuse", action="store_true", help="a weight used several times")
     parser.add_argument("--uses", type=int, default=4)
     args = parser.parse_args()
@@ -297,6 +330,14 @@ def main() -> None:
         d_in = d
     x = torch.randn(batch, d_in, device=DEVICE)
     y = torch.randint(0, 10, (batch,), device=DEVICE)
+    if args.region:
+        torch.manual_seed(0)
+        phases = region_phases(mlp(d_in, d).to(DEVICE), x, y, args.rounds * args.iters)
+        print(f"{'median us per step':25s} {'build':>7s} {'enter':>7s} {'exit':>7s} {'sum':>7s}")
+        for name, rows in phases.items():
+            cols = [statistics.median(r[i] for r in rows) for i in range(3)]
+            print(f"{name:25s} {cols[0]:7.1f} {cols[1]:7.1f} {cols[2]:7.1f} {sum(cols):7.1f}")
+        return
     made = reuse_configs(d, args.uses) if args.reuse else configs(d_in, d)
     cfgs = {name: (model.to(DEVICE), ctx) for name, (model, ctx) in made.items()}
     times = measure(cfgs, x, y, args.rounds, args.iters)

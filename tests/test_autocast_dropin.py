@@ -188,3 +188,60 @@ def test_warnings_about_the_region_point_at_the_callers_line() -> None:
 
     assert caught[0].filename == __file__
     assert f() is False
+
+
+# ------------------------------------------------------------------ the native state switch
+def _snap() -> tuple[bool, torch.dtype, bool]:
+    return (*state(), torch.is_autocast_cache_enabled())
+
+
+@pytest.mark.parametrize("under_mode", [False, True], ids=["direct", "function-mode"])
+def test_regions_switch_the_native_state_as_torch_autocast_does(under_mode: bool) -> None:
+    """Nested both ways, with torch's cache semantics asked for: the same state at every point."""
+
+    class Passthrough(torch.overrides.TorchFunctionMode):
+        def __torch_function__(self, func, types, args=(), kwargs=None):  # type: ignore[no-untyped-def]
+            return func(*args, **(kwargs or {}))
+
+    def run(outer: Callable[..., Any], inner: Callable[..., Any]) -> list[object]:
+        seen: list[object] = [_snap()]
+        with outer("cpu", dtype=FP16, cache_enabled=True):
+            seen.append(_snap())
+            with inner("cpu", dtype=BF16, enabled=False, cache_enabled=False):
+                seen.append(_snap())
+            seen.append(_snap())
+        seen.append(_snap())
+        seen.append(torch.autocast_increment_nesting())  # the nesting counter is back at 0
+        torch.autocast_decrement_nesting()
+        return seen
+
+    mode = Passthrough() if under_mode else None
+    with mode or warnings.catch_warnings():
+        reference = run(torch.autocast, torch.autocast)
+        for outer, inner in [
+            (mixprec.autocast, torch.autocast),
+            (torch.autocast, mixprec.autocast),
+        ]:
+            assert run(outer, inner) == reference
+        assert run(mixprec.autocast, mixprec.autocast) == reference
+
+
+def test_the_outermost_exit_clears_the_weight_cache_as_torch() -> None:
+    """A cast cached in one region must not serve the next one (the weight changed between)."""
+    results = []
+    for region in (torch.autocast, mixprec.autocast):
+        torch.manual_seed(0)
+        lin, x = nn.Linear(4, 4), torch.randn(2, 4)
+        with region("cpu", dtype=BF16, cache_enabled=True):
+            lin(x)
+        with torch.no_grad():
+            lin.weight.mul_(2)
+        with region("cpu", dtype=BF16, cache_enabled=True):
+            results.append(lin(x))
+    torch.manual_seed(0)
+    lin, x = nn.Linear(4, 4), torch.randn(2, 4)
+    with torch.no_grad():
+        lin.weight.mul_(2)
+    with torch.autocast("cpu", dtype=BF16):
+        fresh = lin(x)
+    assert torch.equal(results[0], fresh) and torch.equal(results[1], fresh)

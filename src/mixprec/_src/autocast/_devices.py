@@ -23,7 +23,8 @@ from mixprec.errors import ConfigError, UnsupportedDeviceError
 LOW_PRECISION_DTYPES: tuple[torch.dtype, ...] = (torch.float16, torch.bfloat16)
 
 
-_VALID: set[object] = set()
+#: Device-type strings already validated (the fast path of a region built every step).
+VALIDATED_DEVICE_TYPES: set[object] = set()
 
 
 def default_device_type() -> str:
@@ -82,7 +83,9 @@ def resolve_device_type(device_type: str | torch.device | None) -> str:
     """
     if device_type is None:
         return default_device_type()
-    if isinstance(device_type, str) and device_type in _VALID:  # fast path: validated before
+    if (
+        isinstance(device_type, str) and device_type in VALIDATED_DEVICE_TYPES
+    ):  # fast path: validated before
         return device_type
     if isinstance(device_type, torch.device):
         name = device_type.type
@@ -99,7 +102,7 @@ def resolve_device_type(device_type: str | torch.device | None) -> str:
             f"accepted device types: {', '.join(_accepted_device_types())}"
         )
     if name == device_type:
-        _VALID.add(name)
+        VALIDATED_DEVICE_TYPES.add(name)
     return name
 
 

@@ -10,8 +10,13 @@ from typing import Any, TypeVar
 import torch
 from torch._compile import _disable_dynamo
 
+from mixprec._src.autocast import _native_state
 from mixprec._src.autocast._caller import warn_at_caller
-from mixprec._src.autocast._devices import resolve_device_type, resolve_region_dtype
+from mixprec._src.autocast._devices import (
+    VALIDATED_DEVICE_TYPES,
+    resolve_device_type,
+    resolve_region_dtype,
+)
 from mixprec._src.autocast._modules import (
     TLS,
     Frame,
@@ -27,6 +32,7 @@ from mixprec.errors import ConfigError, RegionStateError
 F = TypeVar("F", bound=Callable[..., Any])
 
 _NATIVE: dict[tuple[str, torch.dtype], tuple[bool, tuple[tuple[str, type[Warning]], ...]]] = {}
+_CACHE = (None, True, False)
 
 
 def _native_decision(device: str, dtype: torch.dtype) -> tuple[bool, tuple[Any, ...]]:
@@ -157,7 +163,7 @@ class autocast:
         # (one graph, correct state across graph breaks inside the region).
         if torch.compiler.is_compiling():
             if policy is not None or report or TLS.frames:
-                obj = super().__new__(cls)
+                obj = object.__new__(cls)
                 obj.__dict__["_traced"] = True  # _enter_full (run eagerly by Dynamo) refuses
                 return obj
             device = resolve_device_type(device_type)
@@ -165,7 +171,7 @@ class autocast:
                 return torch.autocast(device, enabled=enabled, cache_enabled=cache_enabled)
             fast, on = resolve_region_dtype(device, device_type is not None, dtype, enabled)
             return torch.autocast(device, dtype=fast, enabled=on, cache_enabled=cache_enabled)
-        return super().__new__(cls)
+        return object.__new__(cls)
 
     def __init__(
         self,
@@ -177,20 +183,30 @@ class autocast:
         policy: Policy | str | None = None,
         report: bool = False,
     ) -> None:
-        _check_bool("enabled", enabled)
-        _check_bool("cache_enabled", cache_enabled, allow_none=True)
-        _check_bool("report", report)
-        self.device = resolve_device_type(device_type)
-        self.fast_dtype, on = resolve_region_dtype(
-            self.device, device_type is not None, dtype, enabled
-        )
+        if type(enabled) is not bool or type(report) is not bool or cache_enabled not in _CACHE:
+            _check_bool("enabled", enabled)
+            _check_bool("cache_enabled", cache_enabled, allow_none=True)
+            _check_bool("report", report)
+        # Fast paths first: this runs once per training step.
+        if type(device_type) is str and device_type in VALIDATED_DEVICE_TYPES:
+            self.device = device_type
+        else:
+            self.device = resolve_device_type(device_type)
+        if dtype is torch.bfloat16 or dtype is torch.float16:
+            self.fast_dtype, on = dtype, enabled
+        else:
+            self.fast_dtype, on = resolve_region_dtype(
+                self.device, device_type is not None, dtype, enabled
+            )
         if on:  # as torch.autocast: it may turn itself off here (and say so, at this line)
-            on, notes = _native_decision(self.device, self.fast_dtype)
+            on, notes = _NATIVE.get((self.device, self.fast_dtype)) or _native_decision(
+                self.device, self.fast_dtype
+            )
             for message, category in notes:
                 warn_at_caller(message, category)
         self.enabled = on
         self.cache_enabled = cache_enabled
-        self.policy = coerce_policy(policy)
+        self.policy = None if policy is None else coerce_policy(policy)
         self.report: DtypeReport | None = DtypeReport() if report else None
         # One entry per active ``__enter__`` (re-entrant); like torch.autocast, one instance must
         # not be entered from two threads at once (the decorator form makes a fresh one per call).
@@ -199,23 +215,25 @@ class autocast:
     def _native(self) -> torch.autocast:
         if torch.compiler.is_compiling():
             _refuse_while_compiling(_PRECONSTRUCTED_MSG)
-        cache = self.cache_enabled
-        dev = self.device
-        if cache is None and (
-            # A backward may follow, and checkpoint may recompute part of the forward: casts are
-            # made per use, so a recompute dispatches exactly the casts its forward did.
-            torch.is_grad_enabled()
-            # The native cache is keyed by the source tensor only, not by the dtype.
-            or (torch.is_autocast_enabled(dev) and torch.get_autocast_dtype(dev) != self.fast_dtype)
-        ):
-            cache = False
-        return torch.autocast(dev, dtype=self.fast_dtype, enabled=self.enabled, cache_enabled=cache)
+        cache = _native_state.cache_for(self.cache_enabled, self.device, self.fast_dtype)
+        return torch.autocast(
+            self.device, dtype=self.fast_dtype, enabled=self.enabled, cache_enabled=cache
+        )
 
     def __enter__(self) -> autocast:
         if self.policy is None and self.report is None and not TLS.frames:
-            native = self._native()  # the thin path: native autocast and nothing else
-            native.__enter__()
-            self._stack.append(native)
+            # The thin path: native autocast's state switch and nothing else.
+            if torch.compiler.is_compiling():
+                _refuse_while_compiling(_PRECONSTRUCTED_MSG)
+            saved = _native_state.push(
+                self.device, self.enabled, self.fast_dtype, self.cache_enabled
+            )
+            if saved is None:
+                native = self._native()
+                native.__enter__()
+                self._stack.append(native)
+            else:
+                self._stack.append(saved)
             return self
         if torch.compiler.is_compiling():
             _enter_full_eagerly(self)
@@ -268,7 +286,11 @@ class autocast:
                 f"{self!r} was exited without being entered (or more often than entered); "
                 "use it as `with mixprec.autocast(...):` or pair each __enter__ with one __exit__"
             )
-        if not isinstance(self._stack[-1], _Entered):
+        top = self._stack[-1]
+        if type(top) is tuple:
+            _native_state.pop(self.device, self._stack.pop())
+            return
+        if not isinstance(top, _Entered):
             self._stack.pop().__exit__(exc_type, exc, tb)
             return
         if torch.compiler.is_compiling():
