@@ -351,3 +351,110 @@ def test_disabled_scaler_clips_like_torch():
     torch.nn.utils.clip_grad_value_(ref, 0.01)
     for a, b in zip(mine, ref, strict=True):
         assert_close(a.grad, b.grad, exact=True)
+
+
+# ---------------------------------------------------------------------------- parameter order
+
+
+def _grouped_like_nanogpt(model: torch.nn.Module, fused: bool = False) -> torch.optim.Optimizer:
+    """Weight decay on matrices only: the optimizer lists parameters in another order."""
+    decay = [p for p in model.parameters() if p.dim() >= 2]
+    rest = [p for p in model.parameters() if p.dim() < 2]
+    groups = [{"params": decay, "weight_decay": 0.1}, {"params": rest, "weight_decay": 0.0}]
+    return torch.optim.AdamW(groups, lr=1e-2, fused=fused)
+
+
+def _grouped_run(clip_call, steps: int = 6):
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(*(torch.nn.Linear(16, 16) for _ in range(4)))
+    opt = _grouped_like_nanogpt(model)
+    is_torch = clip_call is _torch_model_order
+    scaler = (torch.amp.GradScaler if is_torch else mixprec.GradScaler)("cpu", growth_interval=2)
+    gen = torch.Generator().manual_seed(3)
+    norms = []
+    for it in range(steps):
+        x = torch.randn(32, 16, generator=gen)
+        with torch.autocast("cpu", dtype=torch.float16):
+            loss = model(x).float().pow(2).mean() * 100
+        scaler.scale(loss).backward()
+        if it == 3:
+            with torch.no_grad():
+                model[1].bias.grad[0] = math.inf
+        norms.append(clip_call(scaler, opt, model))
+        scaler.step(opt)
+        scaler.update()
+        opt.zero_grad()
+    return norms + [p.detach() for p in model.parameters()]
+
+
+def _torch_model_order(scaler, opt, model):
+    scaler.unscale_(opt)
+    return torch.nn.utils.clip_grad_norm_(model.parameters(), 0.1)
+
+
+def test_parameters_give_torch_s_summation_order():
+    """nanoGPT and timm group parameters by weight decay; torch sums the norm in model order."""
+    expected = _grouped_run(_torch_model_order)
+    got = _grouped_run(lambda s, o, m: s.clip_grad_norm_(o, 0.1, parameters=m.parameters()))
+    for a, b in zip(got, expected, strict=True):
+        assert_close(a, b, exact=True)
+
+
+def test_parameters_must_be_the_optimizer_s():
+    params, opt, scaler = ready()
+    stranger = torch.nn.Parameter(torch.ones(2))
+    stranger.grad = torch.ones(2)
+    with pytest.raises(ConfigError, match=r"1 are not the optimizer's, and 1 of the optimizer's"):
+        scaler.clip_grad_norm_(opt, 1.0, parameters=[*params[1:], stranger])
+    scaler.clip_grad_norm_(opt, 1.0, parameters=reversed(params))  # any order of the same ones
+
+
+# ---------------------------------------------------------------------------- clip in the step
+
+
+def _folded_run(fused: bool, in_step: bool, steps: int = 12):
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(8, 32), torch.nn.ReLU(), torch.nn.Linear(32, 4))
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-2, fused=fused)
+    scaler = mixprec.GradScaler(growth_interval=3)
+    gen = torch.Generator().manual_seed(1)
+    skipped, seen = [], []
+    for it in range(steps):
+        x = torch.randn(16, 8, generator=gen)
+        with torch.autocast("cpu", dtype=torch.float16):
+            loss = model(x).float().pow(2).mean()
+        scaler.scale(loss).backward()
+        if it in (4, 9):
+            with torch.no_grad():
+                model[2].weight.grad[0, 0] = math.nan if it == 9 else math.inf
+        scaled = model[0].weight.grad.clone()
+        scaler.clip_grad_norm_(opt, 0.05, in_step=in_step)
+        seen.append(torch.equal(model[0].weight.grad, scaled))
+        scaler.step(opt)
+        scaler.update()
+        skipped.append(scaler.last_step_skipped())
+        opt.zero_grad()
+    return skipped, seen, [p.detach() for p in model.parameters()]
+
+
+@pytest.mark.parametrize("fused", [False, True], ids=["adamw", "adamw-fused"])
+def test_clipping_in_the_step_matches_clipping_before_it(fused):
+    skipped, seen, params = _folded_run(fused, in_step=True)
+    ref_skipped, ref_seen, ref_params = _folded_run(fused, in_step=False)
+    assert skipped == ref_skipped and skipped[4] and skipped[9] and not any(skipped[:4])
+    assert all(seen) and not any(ref_seen)  # until the step, .grad holds the scaled grads
+    for a, b in zip(params, ref_params, strict=True):
+        # the fused kernel divides by scale / c where the unfolded path multiplies by c / scale
+        assert_close(a, b, exact=not fused) if not fused else torch.testing.assert_close(
+            a, b, rtol=0, atol=1e-6
+        )
+
+
+def test_clipping_in_the_step_counts_as_unscale():
+    params, opt, scaler = ready()
+    scaler.clip_grad_norm_(opt, 1.0, in_step=True)
+    with pytest.raises(ScalerStateError, match="already been called"):
+        scaler.unscale_(opt)
+    scaler.step(opt)
+    norm = torch.linalg.vector_norm(torch.cat([p.grad.flatten() for p in params]))
+    assert float(norm) == pytest.approx(1.0, rel=1e-5)  # non-fused: clipped before the step

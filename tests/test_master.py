@@ -321,3 +321,72 @@ def test_master_weights_track_a_pure_fp32_run() -> None:
         assert F.mse_loss(low.float()(X), Y).item() == pytest.approx(
             F.mse_loss(ref(X), Y).item(), rel=0.1
         )
+
+
+@pytest.mark.parametrize("set_to_none", [True, False])
+def test_model_zero_grad_clears_the_masters_like_optimizer_zero_grad(set_to_none: bool) -> None:
+    """Zeroing the model (not the optimizer) used to leave the masters accumulating until the
+    first inf, after which every step was skipped."""
+    runs = []
+    for zero in ("optimizer", "model"):
+        model = PeftLike()
+        opt = torch.optim.AdamW(_trainable(model), lr=1e-2)
+        mixprec.MasterWeights(opt)
+        scaler = mixprec.GradScaler(growth_interval=2)
+        skipped = []
+        for step in range(8):
+            scaler.scale(_loss(model, step, inject={2})).backward()
+            scaler.step(opt)
+            scaler.update()
+            skipped.append(scaler.last_step_skipped())
+            (opt if zero == "optimizer" else model).zero_grad(set_to_none=set_to_none)
+        runs.append((skipped, [p.detach().clone() for p in model.parameters()]))
+    assert runs[0][0] == runs[1][0]
+    assert runs[1][0][2] and not any(runs[1][0][3:])  # the injected inf, and training goes on
+    for a, b in zip(runs[0][1], runs[1][1], strict=True):
+        assert torch.equal(a, b)
+
+
+def test_micro_batches_still_accumulate_between_zero_grads() -> None:
+    model = PeftLike()
+    opt = torch.optim.SGD(_trainable(model), lr=0.1)
+    masters = mixprec.MasterWeights(opt)
+    master_w = masters.pairs[0][1]
+    grads = []
+    for _ in range(2):
+        model.zero_grad()
+        model.head(torch.ones(4, 16, dtype=torch.float16)).float().sum().backward()
+        grads.append(master_w.grad.clone())
+    model.head(torch.ones(4, 16, dtype=torch.float16)).float().sum().backward()
+    torch.testing.assert_close(grads[0], grads[1])  # zeroed in between: the same grad
+    torch.testing.assert_close(master_w.grad, 2 * grads[0])  # not zeroed: accumulated
+    torch.autograd.grad(model.head(torch.ones(1, 16, dtype=torch.float16)).sum(), model.head.weight)
+    torch.testing.assert_close(master_w.grad, 2 * grads[0])  # autograd.grad leaves it alone
+
+
+def test_groups_added_after_wrapping_get_masters_too() -> None:
+    low, ref = _fp16_and_fp32_twins()
+    opt = torch.optim.SGD(low[0].parameters(), lr=0.1)
+    masters = mixprec.MasterWeights(opt)
+    opt.add_param_group({"params": list(low[2].parameters()), "lr": 0.05})
+    ref_opt = torch.optim.SGD(ref[0].parameters(), lr=0.1)
+    ref_opt.add_param_group({"params": list(ref[2].parameters()), "lr": 0.05})
+    assert len(masters.pairs) == 4
+    assert all(p.dtype == torch.float32 for g in opt.param_groups for p in g["params"])
+    for model, optimizer in ((low, opt), (ref, ref_opt)):
+        scaler = mixprec.GradScaler()
+        for _ in range(3):
+            optimizer.zero_grad()
+            with torch.autocast("cpu", dtype=torch.float16):
+                loss = F.mse_loss(model(X).float(), Y)
+            scaler.scale(loss).backward()
+            scaler.step(optimizer)
+            scaler.update()
+    for master, reference in zip(
+        [p for g in opt.param_groups for p in g["params"]],
+        [p for g in ref_opt.param_groups for p in g["params"]],
+        strict=True,
+    ):
+        assert torch.equal(master, reference)
+    with pytest.raises(ConfigError, match="already in this optimizer"):
+        opt.add_param_group({"params": [low[0].weight]})

@@ -9,14 +9,7 @@ from typing import Any
 import torch
 
 from mixprec._src.devices import caps
-from mixprec._src.dist.agree import comm_device, dtensor_type
-
-
-def _dist() -> Any:
-    import torch.distributed as dist
-
-    return dist
-
+from mixprec._src.dist.agree import comm_device, dtensor_type, torch_dist
 
 def all_reduce_norm_(local_norm: torch.Tensor, norm_type: float, group: Any = None) -> torch.Tensor:
     """The global ``norm_type``-norm of gradients sharded over ``group``, from each rank's norm.
@@ -43,7 +36,7 @@ def all_reduce_norm_(local_norm: torch.Tensor, norm_type: float, group: Any = No
 
     Host sync: as :func:`agree_found_inf_`.
     """
-    dist = _dist()
+    dist = torch_dist()
     p = float(norm_type)
     value = local_norm.detach().float().reshape(())
     target = comm_device(group, value.device)

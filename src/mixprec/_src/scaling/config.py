@@ -176,8 +176,9 @@ class ScalerConfig:
 
     @property
     def is_torch_rule(self) -> bool:
-        """True when the update is exactly torch's ``_amp_update_scale_`` (plus the floor)."""
-        return self.hysteresis == 1 and self.max_scale is None
+        """True when the update is exactly torch's ``_amp_update_scale_`` (plus the floor): its
+        settings, and an interval its int32 tracker can reach."""
+        return self.hysteresis == 1 and self.max_scale is None and self.growth_interval <= INT32_MAX
 
     def with_(self, **changes: Any) -> ScalerConfig:
         """A validated copy with ``changes`` applied (the original is untouched)."""

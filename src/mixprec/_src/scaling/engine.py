@@ -21,7 +21,7 @@ from typing import Any
 import torch
 
 from mixprec._src import optim
-from mixprec._src.dist.agree import DistState
+from mixprec._src.dist.state import DistState
 from mixprec._src.kernels import clip
 from mixprec._src.kernels.plan import GradPlan, plan_grads
 from mixprec._src.kernels.unscale import check_finite_, unscale_grads_

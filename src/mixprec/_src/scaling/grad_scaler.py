@@ -18,7 +18,8 @@ from typing import Any
 import torch
 
 from mixprec._src import optim
-from mixprec._src.dist.agree import DistState, validate_group
+from mixprec._src.dist.agree import validate_group
+from mixprec._src.dist.state import DistState
 from mixprec._src.scaling import clipping, compat, signals
 from mixprec._src.scaling.args import SIGNATURE, Settings, settings_from
 from mixprec._src.scaling.checkpoint import export_state, parse_state_dict

@@ -108,6 +108,10 @@ class _Ops(Generic[T]):
         """``count >= bound`` for an int32 count and any int bound."""
         raise NotImplementedError
 
+    def count_up(self, count: Any) -> Any:
+        """``count + 1``, saturating at the int32 maximum (an interval beyond it never ends)."""
+        raise NotImplementedError
+
     def times(self, scale: Any, factor: float) -> Any:
         """``float32(float64(scale) * factor)``: one rounding, as torch's kernel does."""
         raise NotImplementedError
@@ -134,6 +138,9 @@ class _HostOps(_Ops[float]):
 
     def reaches(self, count: Any, bound: int) -> Any:
         return count >= bound
+
+    def count_up(self, count: Any) -> Any:
+        return min(count + 1, INT32_MAX)
 
     def times(self, scale: Any, factor: float) -> Any:
         return to_f32(scale * factor)
@@ -163,6 +170,9 @@ class _DeviceOps(_Ops[torch.Tensor]):
             return torch.zeros_like(count, dtype=torch.bool)
         return count >= bound
 
+    def count_up(self, count: Any) -> Any:
+        return torch.where(count < INT32_MAX, count + 1, count)
+
     def times(self, scale: Any, factor: float) -> Any:
         return (scale.to(caps(scale.device).wide_float) * factor).float()
 
@@ -189,8 +199,8 @@ def next_scale(
     (also when the growth was refused, as in torch). The result stays within
     ``[floor, max_scale]``.
     """
-    streak = ops.where(overflow, streak + 1, 0)
-    tracker = tracker + 1
+    streak = ops.where(overflow, ops.count_up(streak), 0)
+    tracker = ops.count_up(tracker)
     at_interval = ops.both(ops.negate(overflow), ops.reaches(tracker, config.growth_interval))
     grown = ops.times(scale, config.growth_factor)
     if config.max_scale is not None:
@@ -259,7 +269,7 @@ def advance_tensors_(
             config.backoff_factor,
             config.growth_interval,
         )
-        tensors.overflow_streak.add_(1).mul_(overflow)
+        tensors.overflow_streak.clamp_(max=INT32_MAX - 1).add_(1).mul_(overflow)  # saturating
         if clamp:
             tensors.scale.clamp_(min=config.floor)
     else:
