@@ -1,27 +1,34 @@
 """The checks that need a real CUDA GPU, in one script that runs in a few minutes.
 
-1. Differential core on CUDA: the same fp16-autocast training runs with ``torch.amp.GradScaler``
-   and ``mixprec.GradScaler`` (SGD, Adam, AdamW; plain, foreach, fused; inf and NaN injected;
-   with torch's ``unscale_`` + ``clip_grad_norm_`` and with ``scaler.clip_grad_norm_``): the scale
-   trajectory and the parameters must be bit-identical (the fused clip: to float32 rounding,
-   bit-identical expected with the default power-of-two scales).
-2. The benchmark table of ``benchmarks/run.py`` on the GPU.
-3. Host syncs per iteration (``torch.cuda.set_sync_debug_mode("warn")``, counting warnings) for
-   plain and fused optimizers, mixprec against torch.amp.
-4. fp8 (#14): whether the device takes ``torch._scaled_mm``, and for each recipe the fp8 Linear's
+1. Differential core on CUDA, through the path a CUDA user takes (the device-side rule; the host
+   only follows the scale when it learns an iteration's outcome): the same fp16-autocast
+   training runs with ``torch.amp.GradScaler`` and ``mixprec.GradScaler`` (SGD, Adam, AdamW;
+   plain, foreach, fused; inf and NaN injected; with torch's ``unscale_`` + ``clip_grad_norm_``,
+   with ``scaler.clip_grad_norm_`` and with ``scaler.clip_grad_norm_(..., in_step=True)``): the
+   scale trajectory and the parameters must be bit-identical (mixprec's clips: to float32
+   rounding, bit-identical expected with the default power-of-two scales).
+2. Clipping inside the step: 100 fused AdamW steps folded against unfolded (parameters within
+   1e-6, identical skip decisions).
+3. The benchmark table of ``benchmarks/run.py`` on the GPU (with the clip-in-step row).
+4. Host syncs per iteration (``torch.cuda.set_sync_debug_mode("warn")``, counting warnings) for
+   plain and fused optimizers, mixprec against torch.amp; a fused optimizer must need none
+   after its first step, with or without clipping.
+5. fp8 (#14): whether the device takes ``torch._scaled_mm``, and for each recipe the fp8 Linear's
    output and gradients through it against the emulated path (SQNR; fast accumulation and the
    kernels' summation order make them differ slightly), with the ``_scaled_mm`` calls counted.
    The fp8 speed table is ``python benchmarks/bench_fp8.py --device cuda``.
 
 Run: ``python benchmarks/gpu_check.py [--out report.md] [--repeat 10]``. Without CUDA it says so
-and exits with status 0. ``--device cpu`` runs part 1 on the CPU (a dry run of the script's own
-logic, used by the test suite). Exit status 1 when a differential check fails. Standalone: it
-imports only torch, mixprec and ``benchmarks/run.py``.
+and exits with status 0. ``--device cpu`` runs parts 1 and 2 on the CPU (a dry run of the
+script's own logic, used by the test suite). Exit status 1 when a check fails (a differential,
+the folded clip, or a host sync on a fused path). Standalone: it imports only torch, mixprec and
+``benchmarks/run.py``.
 """
 
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import functools
 import importlib.util
 import math
@@ -59,6 +66,7 @@ OPTIMIZERS: dict[str, MakeOpt] = {
     "adam-foreach": functools.partial(torch.optim.Adam, lr=1e-2, foreach=True),
     "adam-fused": functools.partial(torch.optim.Adam, lr=1e-2, fused=True),
     "adamw-fused": functools.partial(torch.optim.AdamW, lr=1e-2, fused=True),
+    "sgd-fused": functools.partial(torch.optim.SGD, lr=0.1, fused=True),  # its state stays empty
 }
 INJECT = {2: math.inf, 5: math.nan}  # iteration -> value written into one grad
 CLIP = 0.5
@@ -66,7 +74,8 @@ CLIP = 0.5
 
 def train(device: torch.device, make_opt: MakeOpt, scaler: Any, clip: str, iters: int = 8):
     """A tiny fp16-autocast MLP run. ``clip``: "none", "torch" (unscale_ + torch's
-    clip_grad_norm_) or "fused" (scaler.clip_grad_norm_). Returns (scales, params)."""
+    clip_grad_norm_), "fused" (scaler.clip_grad_norm_) or "in_step" (the same, folded into the
+    step). Returns (scales, params)."""
     torch.manual_seed(0)
     model = torch.nn.Sequential(torch.nn.Linear(8, 16), torch.nn.ReLU(), torch.nn.Linear(16, 4))
     model = model.to(device)
@@ -87,8 +96,8 @@ def train(device: torch.device, make_opt: MakeOpt, scaler: Any, clip: str, iters
         if clip == "torch":
             scaler.unscale_(opt)
             torch.nn.utils.clip_grad_norm_(model.parameters(), CLIP)
-        elif clip == "fused":
-            scaler.clip_grad_norm_(opt, CLIP)
+        elif clip in ("fused", "in_step"):
+            scaler.clip_grad_norm_(opt, CLIP, in_step=clip == "in_step")
         scaler.step(opt)
         scaler.update()
         opt.zero_grad()
@@ -96,12 +105,15 @@ def train(device: torch.device, make_opt: MakeOpt, scaler: Any, clip: str, iters
     return scales, [p.detach().cpu() for p in model.parameters()]
 
 
+CLIPS = ("none", "torch", "fused", "in_step")
+
+
 def differential(device: torch.device) -> tuple[list[str], bool]:
     """Part 1: one table row per (optimizer, clipping) case; True when all pass."""
     rows = ["| optimizer | clipping | scales equal | params | result |", "|---|---|---|---|---|"]
     all_ok = True
     for name, make_opt in OPTIMIZERS.items():
-        for clip in ("none", "torch", "fused"):
+        for clip in CLIPS:
             ref_clip = "none" if clip == "none" else "torch"
             kwargs = {"init_scale": 2.0**16, "growth_interval": 2}
             ref = train(device, make_opt, torch.amp.GradScaler(device.type, **kwargs), ref_clip)
@@ -109,7 +121,7 @@ def differential(device: torch.device) -> tuple[list[str], bool]:
             same_scales = ref[0] == got[0]
             diff = max(float((a - b).abs().max()) for a, b in zip(ref[1], got[1], strict=True))
             exact = all(torch.equal(a, b) for a, b in zip(ref[1], got[1], strict=True))
-            ok = same_scales and (exact if clip != "fused" else diff <= 1e-5)
+            ok = same_scales and (exact if clip in ("none", "torch") else diff <= 1e-5)
             all_ok &= ok
             params = "bit-identical" if exact else f"max abs diff {diff:.2e}"
             rows.append(
@@ -135,8 +147,8 @@ def count_syncs(make_opt: MakeOpt, scaler_cls: Any, clip: str, iters: int = 6) -
         if clip == "torch":
             scaler.unscale_(opt)
             torch.nn.utils.clip_grad_norm_(model.parameters(), CLIP)
-        elif clip == "fused":
-            scaler.clip_grad_norm_(opt, CLIP)
+        elif clip in ("fused", "in_step"):
+            scaler.clip_grad_norm_(opt, CLIP, in_step=clip == "in_step")
         scaler.step(opt)
         scaler.update()
         opt.zero_grad()
@@ -156,19 +168,46 @@ def count_syncs(make_opt: MakeOpt, scaler_cls: Any, clip: str, iters: int = 6) -
     return len(syncs) / iters
 
 
-def sync_table() -> list[str]:
+def sync_table() -> tuple[list[str], bool]:
+    """Part 4: syncs per iteration; True when every fused mixprec path has none."""
     rows = [
-        "| optimizer | clipping | torch.amp syncs/iter | mixprec syncs/iter |",
-        "|---|---|---:|---:|",
+        "| optimizer | clipping | torch.amp syncs/iter | mixprec syncs/iter | result |",
+        "|---|---|---:|---:|---|",
     ]
-    for name in ("sgd", "adam-foreach", "adam-fused", "adamw-fused"):
-        for clip in ("none", "torch", "fused"):
+    all_ok = True
+    for name in ("sgd", "adam-foreach", "sgd-fused", "adam-fused", "adamw-fused"):
+        for clip in CLIPS:
             theirs = count_syncs(
-                OPTIMIZERS[name], torch.amp.GradScaler, "torch" if clip == "fused" else clip
+                OPTIMIZERS[name], torch.amp.GradScaler, "none" if clip == "none" else "torch"
             )
             ours = count_syncs(OPTIMIZERS[name], mixprec.GradScaler, clip)
-            rows.append(f"| {name} | {clip} | {theirs:g} | {ours:g} |")
-    return rows
+            ok = "fused" not in name or clip == "torch" or ours == 0
+            all_ok &= ok
+            rows.append(f"| {name} | {clip} | {theirs:g} | {ours:g} | {'ok' if ok else 'FAIL'} |")
+    return rows, all_ok
+
+
+def host_path_check(device: torch.device) -> tuple[str, bool]:
+    """The scaler takes the device path here (the host does not own the scale)."""
+    from mixprec._src.devices import caps
+    from mixprec._src.scaling.engine import engine_of
+
+    scaler = mixprec.GradScaler(device.type)
+    model = torch.nn.Linear(4, 1).to(device)
+    opt = torch.optim.Adam(model.parameters(), fused=True)
+    for _ in range(2):
+        scaler.scale(model(torch.ones(2, 4, device=device)).sum()).backward()
+        scaler.step(opt)
+        scaler.update()
+    lost = engine_of(scaler).state.host_view is None
+    on_device = not caps(device).host_memory
+    ok = lost == on_device
+    text = (
+        f"Scaler path on {device}: {'device rule' if on_device else 'host rule'}; after fused "
+        f"steps the host {'lost track of' if lost else 'follows'} the scale: "
+        f"{'ok' if ok else 'FAIL'}."
+    )
+    return text, ok
 
 
 def fp8_check(
@@ -227,7 +266,7 @@ def fp8_check(
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--device", default="cuda", help="cuda (default); cpu: part 1 only")
+    parser.add_argument("--device", default="cuda", help="cuda (default); cpu: parts 1-2 only")
     parser.add_argument("--repeat", type=int, default=10, help="benchmark rounds per row")
     parser.add_argument("--out", type=Path, default=None, help="also write the report here")
     args = parser.parse_args(argv)
@@ -240,31 +279,40 @@ def main(argv: list[str] | None = None) -> int:
         return 0
     start = time.perf_counter()
     lines = [f"# mixprec GPU check ({device})", ""]
-    sizes = bench.Sizes(bench.FULL.big, bench.FULL.small, bench.FULL.mlp, args.repeat, 2)
+    sizes = dataclasses.replace(bench.FULL, repeat=args.repeat)
     lines.append(bench.header(device, sizes) + "\n")
+    path, path_ok = host_path_check(device)
     rows, ok = differential(device)
-    lines += ["## 1. Differential core against torch.amp", "", *rows, ""]
+    lines += ["## 1. Differential core against torch.amp", "", path, "", *rows, ""]
+    folded, diff, same_skips = bench.folded_accuracy(device)
+    folded_ok = same_skips and diff <= 1e-6
+    lines += ["## 2. Clipping inside the step", "", folded, ""]
     print("\n".join(lines), flush=True)
     more: list[str] = []
+    syncs_ok = True
     if device.type == "cuda":
-        section = ["## 2. Benchmarks", "", bench.table(bench.run_suite(sizes, device)), ""]
+        section = ["## 3. Benchmarks", "", bench.table(bench.run_suite(sizes, device)), ""]
         print("\n".join(section), flush=True)
         more += section
-        section = ["## 3. Host syncs per iteration", "", *sync_table(), ""]
+        sync_rows, syncs_ok = sync_table()
+        section = ["## 4. Host syncs per iteration", "", *sync_rows, ""]
         print("\n".join(section), flush=True)
         more += section
         fp8_rows, fp8_ok = fp8_check(device)  # fp8 (#14)
         ok &= fp8_ok
-        section = ["## 4. fp8 matmuls: torch._scaled_mm against emulation", "", *fp8_rows, ""]
+        section = ["## 5. fp8 matmuls: torch._scaled_mm against emulation", "", *fp8_rows, ""]
         print("\n".join(section), flush=True)
         more += section
+    all_ok = ok and path_ok and folded_ok and syncs_ok
     footer = (
-        f"Done in {time.perf_counter() - start:.0f} s: differential {'ok' if ok else 'FAILED'}."
+        f"Done in {time.perf_counter() - start:.0f} s: differential {'ok' if ok else 'FAILED'}, "
+        f"path {'ok' if path_ok else 'FAILED'}, clip in step {'ok' if folded_ok else 'FAILED'}, "
+        f"host syncs {'ok' if syncs_ok else 'FAILED'}."
     )
     print(footer)
     if args.out is not None:
         args.out.write_text("\n".join([*lines, *more, footer]) + "\n")
-    return 0 if ok else 1
+    return 0 if all_ok else 1
 
 
 if __name__ == "__main__":

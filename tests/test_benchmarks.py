@@ -30,9 +30,11 @@ def test_run_quick_prints_every_row():
     )
     assert out.returncode == 0, out.stderr[-3000:]
     assert "threads 1" in out.stdout and "torch 2." in out.stdout
-    for row in ("unscale+check (a)", "(b)", "(c)", "unscale+clip_grad_norm_", "train step"):
+    rows = ("unscale+check (a)", "(b)", "(c)", "unscale+clip_grad_norm_", "clip in step", "train")
+    for row in rows:
         assert row in out.stdout
-    assert out.stdout.count("| ") > 6 * 6
+    assert out.stdout.count("| ") > 7 * 6
+    assert "skip decisions identical" in out.stdout
 
 
 def test_gpu_check_without_cuda_exits_cleanly(capsys, monkeypatch):
@@ -50,4 +52,4 @@ def test_gpu_check_differential_core_runs_on_cpu(monkeypatch):
     monkeypatch.setattr(gpu_check, "OPTIMIZERS", subset)
     rows, ok = gpu_check.differential(gpu_check.torch.device("cpu"))
     assert ok, "\n".join(rows)
-    assert len(rows) == 2 + 2 * 3
+    assert len(rows) == 2 + 2 * len(gpu_check.CLIPS)

@@ -16,6 +16,12 @@ def torch_dist() -> Any:
     return dist
 
 
+def initialized() -> bool:
+    """Whether torch.distributed is initialised in this process. Host sync: none."""
+    dist = torch_dist()
+    return bool(dist.is_available() and dist.is_initialized())
+
+
 def dtensor_type() -> Any:
     """``DTensor`` when torch.distributed is initialised in this process, else None.
 

@@ -16,7 +16,7 @@ from typing import Any
 
 import torch
 
-from mixprec._src.dist.agree import agree_found_inf_, dtensor_type, torch_dist
+from mixprec._src.dist.agree import agree_found_inf_, dtensor_type, initialized, torch_dist
 from mixprec._src.dist.norms import all_reduce_norm_
 from mixprec._src.kernels.plan import GradPlan
 from mixprec.errors import ConfigError
@@ -134,13 +134,16 @@ class DistState:
 
         Host sync: none.
         """
+        if self.group is None and self.join_group is None and not plan.low_precision:
+            if not initialized():  # the common case, in as few calls as possible
+                return plan, None, None
         if plan.low_precision:  # (a comprehension over the empty list broke compile graphs)
             kept = [r for r in plan.low_precision if r.param.dtype == torch.float16]
             if len(kept) != len(plan.low_precision):
                 plan = dataclasses.replace(plan, low_precision=kept)  # plans may be cached: copy
         dtensor = dtensor_type()
-        grads = list(plan.all_grads()) if dtensor is not None else []
-        if not any(isinstance(grad, dtensor) for grad in grads):
+        grads = [] if dtensor is None else list(plan.all_grads())
+        if dtensor is None or not any(isinstance(grad, dtensor) for grad in grads):
             if self.group is not None:
                 return plan, self.group, self.group
             return plan, self.join_group, None

@@ -148,8 +148,8 @@ def plan_grads(optimizer: torch.optim.Optimizer) -> GradPlan:
             plan.flat[key] = views
     if grads is not None and _cacheable(plan):  # no grad is None then
         _CACHE[optimizer] = _CachedPlan(cast("list[torch.Tensor]", grads), plan)
-    else:
-        _CACHE.pop(optimizer, None)
+    elif cached is not None:
+        del _CACHE[optimizer]
     return plan
 
 

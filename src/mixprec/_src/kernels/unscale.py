@@ -34,6 +34,8 @@ def _gather(plan: GradPlan, coalesce_fp16: bool) -> dict[tuple[torch.device, tor
     Coalescing sums duplicate indices, which can overflow in fp16, so it must happen before the
     check. It replaces ``param.grad`` (out of place), exactly like torch.
     """
+    if not plan.sparse:
+        return plan.kernel_groups()
     groups = {key: list(grads) for key, grads in plan.kernel_groups().items()}
     for ref in plan.sparse:
         grad = ref.param.grad
@@ -68,7 +70,9 @@ def unscale_grads_(
             found = found_inf_on(found_inf_per_device, device)
             inv = inv_by_device.get(device)
             if inv is None:
-                inv = inv_by_device[device] = inv_scale.to(device, non_blocking=True)
+                same = inv_scale.device == device
+                inv = inv_scale if same else inv_scale.to(device, non_blocking=True)
+                inv_by_device[device] = inv
             if caps(device).amp_kernels:
                 torch._amp_foreach_non_finite_check_and_unscale_(grads, found, inv)
                 if check_output:

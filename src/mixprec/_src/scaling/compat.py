@@ -29,8 +29,7 @@ def lazy_init_scale_growth_tracker(self: GradScaler, dev: torch.device | str) ->
 
 def get_scale_async(self: GradScaler) -> torch.Tensor | None:
     """The scale tensor, or None before the first ``scale()``. Host sync: none."""
-    tensors = engine_of(self).state.tensors
-    return None if tensors is None else tensors.scale
+    return engine_of(self).state.scale
 
 
 def get_growth_tracker(self: GradScaler) -> int:

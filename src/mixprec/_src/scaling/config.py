@@ -27,10 +27,13 @@ INT32_MAX = 2**31 - 1
 INT64_MAX = 2**63 - 1
 
 
+_F32 = struct.Struct("f")
+
+
 def to_f32(value: float) -> float:
     """Round a Python float to the nearest float32 (inf when it overflows), as ``fill_`` does."""
     try:
-        return float(struct.unpack("f", struct.pack("f", value))[0])
+        return float(_F32.unpack(_F32.pack(value))[0])
     except OverflowError:
         return math.copysign(math.inf, value)
 

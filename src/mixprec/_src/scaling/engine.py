@@ -56,10 +56,10 @@ class Engine:
 
     def require_scale(self, method: str) -> torch.Tensor:
         """The scale tensor, after checking that ``scale()`` created it. Host sync: none."""
-        tensors = self.state.tensors
-        self.phases.require_scale(tensors is not None, method)
-        assert tensors is not None
-        return tensors.scale
+        scale = self.state.scale
+        self.phases.require_scale(scale is not None, method)
+        assert scale is not None
+        return scale
 
     def unscale_loss(self, loss: torch.Tensor) -> torch.Tensor:
         """``loss`` divided by the scale (what the optimizer of a closure step sees).
@@ -139,7 +139,8 @@ class Engine:
         """Unscale if needed, read the flag (one host sync) and step unless it overflowed."""
         if record.stage is OptState.READY:
             self.unscale_for_step(optimizer, record)
-        self.apply_deferred(optimizer, record)
+        elif record.deferred is not None:
+            self.apply_deferred(optimizer, record)
         found_inf = self.found_inf(record, optimizer)
         self.telemetry.note_step(optimizer, found_inf)
         skipped = bool(found_inf.item() != 0)
@@ -230,7 +231,10 @@ def sum_on(found_infs: list[torch.Tensor], device: torch.device) -> torch.Tensor
 
     Host sync: none.
     """
-    total = found_infs[0].to(device, non_blocking=True)
+    total = found_infs[0]
+    if len(found_infs) == 1 and total.device == device:
+        return total  # the common case, without a copy
+    total = total.to(device, non_blocking=True)
     for other in found_infs[1:]:
         total = total + other.to(device, non_blocking=True)
     return total

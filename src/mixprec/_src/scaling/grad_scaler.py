@@ -152,10 +152,11 @@ class GradScaler:
         """
         if not self._settings.enabled:
             return optimizer.step(*args, **kwargs)
-        call = optim.split_closure(args, kwargs)
+        call = optim.split_closure(args, kwargs) if args or kwargs else None
         if call is not None:
             return step_with_closure(self._engine, optimizer, call)
-        self._engine.require_scale("step")
+        if self._state.scale is None:
+            self._engine.require_scale("step")
         record = self._phases.begin_step(optimizer)
         if not getattr(optimizer, "_step_supports_amp_scaling", False):
             return self._engine.step_plain(optimizer, record, args, kwargs)
@@ -188,7 +189,7 @@ class GradScaler:
         """
         if not self._settings.enabled:
             return
-        if isinstance(new_scale, _Optimizer) or hasattr(new_scale, "param_groups"):
+        if new_scale is not None and hasattr(new_scale, "param_groups"):
             self._phases.require_touched(new_scale)
             new_scale = None
         scale = self._engine.require_scale("update")
@@ -199,31 +200,23 @@ class GradScaler:
             if new_scale is not None:
                 self._state.set_scale(value)
             else:
-                self._apply_rule(config)
+                self._apply_rule(config, scale)
         finally:
             self._end_iteration()
 
-    def _apply_rule(self, config: ScalerConfig) -> None:
-        records = self._phases.require_any_checked()
-        device = self._engine.require_scale("update").device
-        total = sum_on([f for r in records for f in r.found_inf_per_device.values()], device)
-        skipped = [r.skipped for r in records]
-        overflow = None if None in skipped else any(skipped)
-        events = self._telemetry.wants_events
-        used = self._state.advance(
-            total, overflow, config, keep=self._telemetry.history.capacity > 0
-        )
-        iteration = self._state.count_iteration(needed=events)
-        tensors = self._state.tensors
-        assert tensors is not None
-        self._telemetry.after_update(self, iteration, tensors.scale, used, total)
+    def _apply_rule(self, config: ScalerConfig, scale: torch.Tensor) -> None:
+        flags, overflow = self._phases.outcome()
+        total = sum_on(flags, scale.device)
+        telemetry = self._telemetry
+        used = self._state.advance(total, overflow, config, keep=telemetry.history.capacity > 0)
+        iteration = self._state.count_iteration(needed=telemetry.wants_events)
+        telemetry.after_update(self, iteration, scale, used, total)
         limit = config.max_consecutive_skips
         values = self._state.host_view
         if values is None and limit is not None:
             values = self._state.values()  # the limit must be checked now: read the device
         if values is not None:
-            optimizers = self._phases.stepped()
-            self._telemetry.watch(values.scale, values.overflow_streak, limit, optimizers)
+            telemetry.watch(values.scale, values.overflow_streak, limit, self._phases.stepped)
 
     def reset_iteration(self) -> None:
         """Abandon the current iteration after an exception: every optimizer is READY again.

@@ -75,8 +75,8 @@ class JoinableScaler(Joinable):
     @property
     def join_device(self) -> torch.device:
         """Where the join context's own all-reduces run. Host sync: none."""
-        tensors = self._engine.state.tensors
-        device = tensors.scale.device if tensors is not None else torch.device("cpu")
+        scale = self._engine.state.scale
+        device = scale.device if scale is not None else torch.device("cpu")
         return comm_device(self._group, device)
 
     @property

@@ -35,7 +35,7 @@ class OptState(enum.Enum):
     STEPPED = 2
 
 
-@dataclass
+@dataclass(slots=True)
 class OptimizerRecord:
     """What the scaler knows about one optimizer in the current iteration.
 
@@ -194,8 +194,23 @@ class PhaseTable:
                 diagnostics.no_inf_checks_message("for this optimizer", record.missing, optimizer)
             )
 
-    def require_any_checked(self) -> list[OptimizerRecord]:
-        """The records, after checking that ``update()`` has something to count."""
+    def outcome(self) -> tuple[list[torch.Tensor], bool | None]:
+        """``(every overflow flag of the iteration, whether it overflowed if the host knows)``,
+        after checking that ``update()`` has something to count."""
+        flags: list[torch.Tensor] = []
+        known = True
+        overflow = False
+        for record in self._records.values():
+            flags.extend(record.found_inf_per_device.values())
+            if record.skipped is None:
+                known = False
+            elif record.skipped:
+                overflow = True
+        if not flags:
+            self._refuse_empty_update()
+        return flags, (overflow if known else None)
+
+    def _refuse_empty_update(self) -> NoReturn:
         records = self.records()
         if not records:
             raise MissingGradError(
@@ -203,13 +218,11 @@ class PhaseTable:
                 "stepped since the last update(). Call scaler.step(optimizer) before "
                 "scaler.update(), and update() once per iteration."
             )
-        if not any(r.found_inf_per_device for r in records):
-            missing = [ref for r in records for ref in r.missing]
-            optimizers = [r.optimizer() for r in records if r.optimizer is not None]
-            raise MissingGradError(
-                diagnostics.no_inf_checks_message("prior to update", missing, *optimizers)
-            )
-        return records
+        missing = [ref for r in records for ref in r.missing]
+        optimizers = [r.optimizer() for r in records if r.optimizer is not None]
+        raise MissingGradError(
+            diagnostics.no_inf_checks_message("prior to update", missing, *optimizers)
+        )
 
     def require_touched(self, optimizer: object) -> None:
         """``update(optimizer)``: that optimizer must have been unscaled or stepped."""

@@ -1,7 +1,7 @@
 """The scale update rule, written once, for Python numbers and for device tensors alike.
 
 :func:`next_scale` is the rule. It is written against a handful of primitive operations
-(:class:`_Ops`): :data:`HOST` implements them on Python numbers, :data:`DEVICE` on 0-d tensors.
+(:class:`Ops`): :data:`HOST` implements them on Python numbers, :data:`DEVICE` on 0-d tensors.
 The host mirror is therefore the device rule itself, run on other values: exact by construction,
 as long as the primitives agree (a product in float64 rounded once to float32, ``isfinite``,
 ``where``, ``min``/``max``), which the property tests check.
@@ -16,23 +16,21 @@ skipped silently.
 
 from __future__ import annotations
 
-import functools
 import math
+import operator
 import struct
+from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Any, Generic, TypeVar
+from typing import Any, NamedTuple
 
 import torch
 
 from mixprec._src.devices import caps
 from mixprec._src.scaling.config import INT32_MAX, ScalerConfig, to_f32
 
-T = TypeVar("T")
 
-
-@dataclass(frozen=True)
-class Values:
-    """The scale and its companions as Python numbers.
+class Values(NamedTuple):
+    """The scale and its companions as Python numbers (a named tuple: cheap to make).
 
     Attributes:
         scale: the scale, a float32 value.
@@ -89,106 +87,64 @@ class Tensors:
         return Values(scale, tracker, streak, (it, overflows, growths, backoffs))
 
 
-class _Ops(Generic[T]):
-    """The primitives the rule is written with (``T``: Python numbers, or 0-d tensors)."""
+class Ops(NamedTuple):
+    """The primitives the rule is written with.
 
-    def where(self, cond: Any, a: Any, b: Any) -> Any:
-        raise NotImplementedError
+    :data:`HOST` implements them on Python numbers, mostly with C builtins (``min``,
+    ``operator.ge``, ``math.isfinite``: cheap even when the interpreter's caches are cold after
+    a backward pass); :data:`DEVICE` on 0-d tensors, without reading anything back.
+    """
 
-    def both(self, a: Any, b: Any) -> Any:
-        raise NotImplementedError
-
-    def either(self, a: Any, b: Any) -> Any:
-        raise NotImplementedError
-
-    def negate(self, a: Any) -> Any:
-        raise NotImplementedError
-
-    def reaches(self, count: Any, bound: int) -> Any:
-        """``count >= bound`` for an int32 count and any int bound."""
-        raise NotImplementedError
-
-    def count_up(self, count: Any) -> Any:
-        """``count + 1``, saturating at the int32 maximum (an interval beyond it never ends)."""
-        raise NotImplementedError
-
-    def times(self, scale: Any, factor: float) -> Any:
-        """``float32(float64(scale) * factor)``: one rounding, as torch's kernel does."""
-        raise NotImplementedError
-
-    def isfinite(self, x: Any) -> Any:
-        raise NotImplementedError
-
-    def clamp(self, x: Any, low: float, high: float | None) -> Any:
-        raise NotImplementedError
+    where: Callable[[Any, Any, Any], Any]
+    both: Callable[[Any, Any], Any]
+    either: Callable[[Any, Any], Any]
+    negate: Callable[[Any], Any]
+    at_least: Callable[[Any, int], Any]  # ``count >= bound`` for an int32 count, any int bound
+    minimum: Callable[[Any, float], Any]
+    maximum: Callable[[Any, float], Any]
+    isfinite: Callable[[Any], Any]
+    wide: Callable[[Any], Any]  # to the widest float (float64 where the device has it)
+    f32: Callable[[Any], Any]  # round to float32
 
 
-class _HostOps(_Ops[float]):
-    def where(self, cond: Any, a: Any, b: Any) -> Any:
-        return a if cond else b
-
-    def both(self, a: Any, b: Any) -> Any:
-        return a and b
-
-    def either(self, a: Any, b: Any) -> Any:
-        return a or b
-
-    def negate(self, a: Any) -> Any:
-        return not a
-
-    def reaches(self, count: Any, bound: int) -> Any:
-        return count >= bound
-
-    def count_up(self, count: Any) -> Any:
-        return min(count + 1, INT32_MAX)
-
-    def times(self, scale: Any, factor: float) -> Any:
-        return to_f32(scale * factor)
-
-    def isfinite(self, x: Any) -> Any:
-        return math.isfinite(x)
-
-    def clamp(self, x: Any, low: float, high: float | None) -> Any:
-        return max(x, low) if high is None else min(max(x, low), high)
+def _choose(cond: Any, a: Any, b: Any) -> Any:
+    return a if cond else b
 
 
-class _DeviceOps(_Ops[torch.Tensor]):
-    def where(self, cond: Any, a: Any, b: Any) -> Any:
-        return torch.where(cond, a, b)
-
-    def both(self, a: Any, b: Any) -> Any:
-        return a & b
-
-    def either(self, a: Any, b: Any) -> Any:
-        return a | b
-
-    def negate(self, a: Any) -> Any:
-        return ~a
-
-    def reaches(self, count: Any, bound: int) -> Any:
-        if bound > INT32_MAX:  # an int32 count never gets there (and the scalar would wrap)
-            return torch.zeros_like(count, dtype=torch.bool)
-        return count >= bound
-
-    def count_up(self, count: Any) -> Any:
-        return torch.where(count < INT32_MAX, count + 1, count)
-
-    def times(self, scale: Any, factor: float) -> Any:
-        return (scale.to(caps(scale.device).wide_float) * factor).float()
-
-    def isfinite(self, x: Any) -> Any:
-        return torch.isfinite(x)
-
-    def clamp(self, x: Any, low: float, high: float | None) -> Any:
-        return x.clamp(min=low, max=high)
+def _tensor_at_least(count: torch.Tensor, bound: int) -> torch.Tensor:
+    if bound > INT32_MAX:  # an int32 count never gets there (and the scalar would wrap)
+        return torch.zeros_like(count, dtype=torch.bool)
+    return count >= bound
 
 
-HOST: _Ops[float] = _HostOps()
-DEVICE: _Ops[torch.Tensor] = _DeviceOps()
+HOST = Ops(
+    where=_choose,
+    both=operator.and_,
+    either=operator.or_,
+    negate=operator.not_,
+    at_least=operator.ge,
+    minimum=min,
+    maximum=max,
+    isfinite=math.isfinite,
+    wide=float,
+    f32=to_f32,
+)
+DEVICE = Ops(
+    where=torch.where,
+    both=operator.and_,
+    either=operator.or_,
+    negate=operator.invert,
+    at_least=_tensor_at_least,
+    minimum=lambda x, high: x.clamp(max=high),
+    maximum=lambda x, low: x.clamp(min=low),
+    isfinite=torch.isfinite,
+    wide=lambda x: x.to(caps(x.device).wide_float),
+    f32=lambda x: x.float(),
+)
 
 
 def next_scale(
-    scale: Any, tracker: Any, streak: Any, overflow: Any, config: ScalerConfig, ops: _Ops[Any]
+    scale: Any, tracker: Any, streak: Any, overflow: Any, config: ScalerConfig, ops: Ops
 ) -> tuple[Any, Any, Any]:
     """The rule: ``(scale, growth_tracker, overflow_streak)`` after one iteration.
 
@@ -196,51 +152,50 @@ def next_scale(
     ``hysteresis``-th consecutive one the scale is multiplied by ``backoff_factor``. A clean
     iteration resets the streak; on the ``growth_interval``-th the scale is multiplied by
     ``growth_factor`` (capped at ``max_scale``; refused if not finite) and the tracker resets
-    (also when the growth was refused, as in torch). The result stays within
-    ``[floor, max_scale]``.
+    (also when the growth was refused, as in torch). Products are taken in float64 and rounded
+    once to float32, as torch's kernel does; the counts saturate at the int32 maximum. The
+    result stays within ``[floor, max_scale]``.
     """
-    streak = ops.where(overflow, ops.count_up(streak), 0)
-    tracker = ops.count_up(tracker)
-    at_interval = ops.both(ops.negate(overflow), ops.reaches(tracker, config.growth_interval))
-    grown = ops.times(scale, config.growth_factor)
+    streak = ops.where(overflow, _count_up(streak, ops), 0)
+    tracker = _count_up(tracker, ops)
+    at_interval = ops.both(ops.negate(overflow), ops.at_least(tracker, config.growth_interval))
+    grown = ops.f32(ops.wide(scale) * config.growth_factor)
     if config.max_scale is not None:
-        grown = ops.clamp(grown, 0.0, config.max_scale)
+        grown = ops.minimum(grown, config.max_scale)
     grows = ops.both(at_interval, ops.isfinite(grown))
-    shrinks = ops.both(overflow, ops.reaches(streak, config.hysteresis))
-    shrunk = ops.times(scale, config.backoff_factor)
+    shrinks = ops.both(overflow, ops.at_least(streak, config.hysteresis))
+    shrunk = ops.f32(ops.wide(scale) * config.backoff_factor)
     scale = ops.where(shrinks, shrunk, ops.where(grows, grown, scale))
     tracker = ops.where(ops.either(overflow, at_interval), 0, tracker)
-    return ops.clamp(scale, config.floor, config.max_scale), tracker, streak
+    scale = ops.maximum(scale, config.floor)
+    if config.max_scale is not None:
+        scale = ops.minimum(scale, config.max_scale)
+    return scale, tracker, streak
+
+
+def _count_up(count: Any, ops: Ops) -> Any:
+    """``count + 1``, saturating at the int32 maximum (an interval beyond it never ends)."""
+    return ops.where(ops.at_least(count, INT32_MAX), count, count + 1)
 
 
 def advance_values(values: Values, overflow: bool, config: ScalerConfig) -> Values:
     """:func:`next_scale` on Python numbers, with the counters. Host sync: none."""
+    old = values.scale
     scale, tracker, streak = next_scale(
-        values.scale, values.growth_tracker, values.overflow_streak, overflow, config, HOST
+        old, values.growth_tracker, values.overflow_streak, overflow, config, HOST
     )
-    return Values(scale, tracker, streak, _counted(values, scale, overflow))
+    it, overflows, growths, backoffs = values.counters
+    counters = (it + 1, overflows + overflow, growths + (scale > old), backoffs + (scale < old))
+    return Values(scale, tracker, streak, counters)
 
 
-def _counted(before: Values, scale: float, overflow: bool) -> tuple[int, int, int, int]:
-    it, overflows, growths, backoffs = before.counters
-    grew, shrank = scale > before.scale, scale < before.scale
-    return (it + 1, overflows + overflow, growths + grew, backoffs + shrank)
-
-
-def write_advance_(tensors: Tensors, before: Values, after: Values) -> None:
-    """Store an update computed by :func:`advance_values` into ``tensors``.
-
-    Where tensors live in host memory this replaces :func:`advance_tensors_`: the host already
-    knows the outcome, and three ``fill_`` and one ``add_`` cost less than the comparisons of
-    the device form.
+def write_advance_(scale: torch.Tensor, before: Values, after: Values) -> None:
+    """Store the scale of an update computed by :func:`advance_values` (host path).
 
     Host sync: none (meant for tensors in host memory).
     """
-    tensors.scale.fill_(after.scale)
-    tensors.growth_tracker.fill_(after.growth_tracker)
-    tensors.overflow_streak.fill_(after.overflow_streak)
-    delta = tuple(a - b for a, b in zip(after.counters, before.counters, strict=True))
-    tensors.counters.add_(_counter_delta(delta))
+    if after.scale != before.scale:
+        scale.fill_(after.scale)
 
 
 def advance_tensors_(
@@ -282,9 +237,3 @@ def advance_tensors_(
     grew, shrank = tensors.scale > old, tensors.scale < old
     tensors.counters.add_(torch.stack([torch.ones_like(overflow), overflow, grew, shrank]))
     return old
-
-
-@functools.cache
-def _counter_delta(delta: tuple[int, int, int, int]) -> torch.Tensor:
-    """The few possible per-iteration increments, built once (``torch.tensor`` costs ~9 us)."""
-    return torch.tensor(delta, dtype=torch.int64)

@@ -67,7 +67,7 @@ def stats(self: GradScaler) -> ScalerStats:
     seen = state.host_view is not None
     stats = stats_of(state.values())
     if not seen:
-        telemetry.watch(stats.scale, stats.consecutive_skips, None, [], may_raise=False)
+        telemetry.watch(stats.scale, stats.consecutive_skips, None, list, may_raise=False)
     return stats
 
 

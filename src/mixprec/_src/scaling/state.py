@@ -12,8 +12,10 @@ device of its first output (:meth:`ScaleState.materialize`); from then on the te
 truth and the host keeps a *view*:
 
 * where tensors live in host memory (the CPU, see :mod:`mixprec._src.devices`), the rule runs on
-  the host view (:func:`~mixprec._src.scaling.rule.advance_values`) and is written into the
-  tensors: the view is always exact;
+  the host view (:func:`~mixprec._src.scaling.rule.advance_values`): the view is always exact.
+  The scale tensor is written when the scale changes; the tracker, streak and counters tensors
+  only when something asks for them (:attr:`ScaleState.tensors`), which saves four tensor
+  operations per iteration;
 * elsewhere the rule runs on the device (:func:`~mixprec._src.scaling.rule.advance_tensors_`),
   and the view follows it with the same rule whenever the host learns the iteration's outcome
   (a non-fused ``step`` reads it anyway). When it cannot (fused optimizers), the view is dropped
@@ -24,7 +26,6 @@ truth and the host keeps a *view*:
 
 from __future__ import annotations
 
-import dataclasses
 import math
 from typing import Any
 
@@ -55,6 +56,9 @@ class ScaleState:
     def __init__(self, values: Values) -> None:
         self._tensors: Tensors | None = None
         self._host_memory = True
+        # On the host path the tracker, streak and counters tensors are written only when read
+        # (``tensors``); the scale tensor is always current.
+        self._behind = False
         # The host's exact view (None: unknown); before materialize() it is the truth.
         self._host: Values | None = values
         self._bound = values.scale  # the scale is known to be >= this
@@ -67,8 +71,27 @@ class ScaleState:
 
     @property
     def tensors(self) -> Tensors | None:
-        """The device tensors, or None before the first ``scale()``. Host sync: none."""
+        """The device tensors, all current, or None before the first ``scale()``.
+
+        Host sync: none.
+        """
+        if self._behind:
+            self._catch_up()
         return self._tensors
+
+    @property
+    def scale(self) -> torch.Tensor | None:
+        """The scale tensor (always current), or None before the first ``scale()``.
+
+        Host sync: none.
+        """
+        return None if self._tensors is None else self._tensors.scale
+
+    def _catch_up(self) -> None:
+        """Write the host view into the tracker, streak and counters tensors."""
+        assert self._tensors is not None and self._host is not None
+        self._behind = False
+        self._tensors.write(self._host)
 
     def materialize(self, device: torch.device) -> Tensors:
         """The tensors, created on ``device`` if they do not exist yet.
@@ -88,7 +111,9 @@ class ScaleState:
             assert self._host is not None  # exact until tensors exist
             self._tensors = Tensors.create(self._host, device)
             self._host_memory = caps(device).host_memory
-        return self._tensors
+        tensors = self.tensors
+        assert tensors is not None
+        return tensors
 
     def values(self) -> Values:
         """The exact values (read from the device when the host has lost track of them).
@@ -96,8 +121,9 @@ class ScaleState:
         Host sync: one when the host view is unknown and the tensors are not in host memory.
         """
         if self._host is None:
-            assert self._tensors is not None
-            self._known(self._tensors.read(), changed=False)
+            tensors = self.tensors
+            assert tensors is not None
+            self._known(tensors.read(), changed=False)
             assert self._host is not None
         return self._host
 
@@ -113,8 +139,9 @@ class ScaleState:
         """
         copy = self._copies.get(device)
         if copy is None:
-            copy = self.materialize(device).scale.to(device, non_blocking=True)
-            self._copies[device] = copy
+            scale = self.scale if self._tensors is not None else self.materialize(device).scale
+            assert scale is not None
+            copy = self._copies[device] = scale.to(device, non_blocking=True)
         return copy
 
     def inv_scale(self) -> torch.Tensor:
@@ -123,8 +150,8 @@ class ScaleState:
         Host sync: none.
         """
         if self._inv is None:
-            assert self._tensors is not None
-            scale = self._tensors.scale
+            scale = self.scale
+            assert scale is not None
             self._inv = scale.to(caps(scale.device).wide_float).reciprocal().float()
         return self._inv
 
@@ -154,16 +181,20 @@ class ScaleState:
 
         Host sync: none (on the host path the flag is read from host memory).
         """
-        tensors, before = self._tensors, self._host
-        assert tensors is not None
+        before = self._host
         if self._host_memory and before is not None and not _compiling():
             if overflow is None:
                 overflow = bool(found_inf.item() != 0)
-            used = tensors.scale.clone() if keep else tensors.scale
+            scale = self.scale
+            assert scale is not None
+            used = scale.clone() if keep else scale
             after = advance_values(before, overflow, config)
-            write_advance_(tensors, before, after)
+            write_advance_(scale, before, after)
+            self._behind = True
             self._known(after, changed=after.scale != before.scale)
             return used
+        tensors = self.tensors
+        assert tensors is not None
         # The floor clamp is needed only when one backoff could take the scale near it.
         near_floor = self._bound * config.backoff_factor < 4 * config.floor
         used = advance_tensors_(tensors, found_inf, config, clamp=near_floor)
@@ -183,8 +214,9 @@ class ScaleState:
         elif overflow is not None and self._host is not None:
             self._known(advance_values(self._host, overflow, config), changed=True)
         elif self._host_memory:
-            assert self._tensors is not None
-            self._known(self._tensors.read(), changed=True)
+            tensors = self.tensors
+            assert tensors is not None
+            self._known(tensors.read(), changed=True)
         else:
             self._unknown(max(self._bound * config.backoff_factor * _ROUNDING_MARGIN, config.floor))
 
@@ -196,7 +228,7 @@ class ScaleState:
 
         Host sync: none off the host (in host memory the new scale is read back: free).
         """
-        tensors = self._tensors
+        tensors = self.tensors  # current: the host view may be dropped below
         assert tensors is not None
         if isinstance(value, torch.Tensor):
             tensors.scale.copy_(value)
@@ -211,10 +243,11 @@ class ScaleState:
         if self._host is None:
             self._unknown(scale)
         else:
-            self._known(dataclasses.replace(self._host, scale=scale), changed=True)
+            self._known(self._host._replace(scale=scale), changed=True)
 
     def load(self, values: Values) -> None:
         """Replace every value (a validated checkpoint). Host sync: none."""
+        self._behind = False
         if self._tensors is not None:
             self._tensors.write(values)
         self._iterations = values.counters[0]
@@ -228,7 +261,7 @@ class ScaleState:
         if self._tensors is not None:
             self._tensors.growth_tracker.clamp_(max=cap)
         if self._host is not None and self._host.growth_tracker > cap:
-            self._host = dataclasses.replace(self._host, growth_tracker=cap)
+            self._host = self._host._replace(growth_tracker=cap)
 
     # ------------------------------------------------------------------ bookkeeping
 
@@ -246,8 +279,9 @@ class ScaleState:
             self._iterations = None
             return -1
         if self._iterations is None:
-            assert self._tensors is not None
-            self._iterations = int(self._tensors.counters[0].item()) - 1
+            tensors = self.tensors
+            assert tensors is not None
+            self._iterations = int(tensors.counters[0].item()) - 1
         self._iterations += 1
         return self._iterations
 
@@ -258,6 +292,8 @@ class ScaleState:
             self._changed()
 
     def _unknown(self, bound: float) -> None:
+        if self._behind:
+            self._catch_up()
         self._host = None
         self._set_bound(bound)
         self._changed()

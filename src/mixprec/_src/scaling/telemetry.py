@@ -186,7 +186,7 @@ class Telemetry:
     ) -> None:
         """Record the iteration (history) and call the hooks. Host sync: none (hooks may)."""
         self._last_iteration = total
-        if self.wants_events:
+        if self.hooks or self.history.capacity:
             event = UpdateEvent(iteration, scale, total, total != 0)
             self.history.record(iteration, used, event.skipped)
             for hook in list(self.hooks.values()):
@@ -197,23 +197,23 @@ class Telemetry:
         scale: float,
         streak: int,
         limit: int | None,
-        optimizers: list[torch.optim.Optimizer],
+        optimizers: Callable[[], list[torch.optim.Optimizer]],
         may_raise: bool = True,
     ) -> None:
         """Warn once when the scale drops below 1 or 50 iterations in a row were skipped; raise
-        on ``limit`` (``max_consecutive_skips``). Host sync: one to name the parameters, only
-        when it warns or raises."""
+        on ``limit`` (``max_consecutive_skips``), naming the parameters of ``optimizers()``.
+        Host sync: one to name the parameters, only when it warns or raises."""
         if may_raise and limit is not None and streak >= limit:
             what = f"{streak} consecutive iterations overflowed"
-            raise ScaleCollapseError(_collapse_text(what, scale, streak, optimizers))
+            raise ScaleCollapseError(_collapse_text(what, scale, streak, optimizers()))
         if scale < 1.0 and "below_one" not in self._warned:
             self._warned.add("below_one")
             what = "The loss scale fell below 1: gradients are being scaled down, not up"
-            _warn(_collapse_text(what, scale, streak, optimizers))
+            _warn(_collapse_text(what, scale, streak, optimizers()))
         if streak >= SKIP_WARNING and "streak" not in self._warned:
             self._warned.add("streak")
             what = f"{streak} consecutive iterations were skipped"
-            _warn(_collapse_text(what, scale, streak, optimizers))
+            _warn(_collapse_text(what, scale, streak, optimizers()))
 
     def __getstate__(self) -> dict[str, Any]:
         # Hooks may be lambdas and the skip flags are keyed by object ids of this process.
