@@ -8,11 +8,9 @@ import warnings
 
 import torch
 
-import mixprec
-
-_INTERNAL = tuple(
-    os.path.dirname(os.path.abspath(str(m.__file__))) + os.sep for m in (mixprec, torch)
-)
+# mixprec's own folder, found from this file (importing the package here would be a cycle)
+_MIXPREC = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+_INTERNAL = (_MIXPREC + os.sep, os.path.dirname(os.path.abspath(str(torch.__file__))) + os.sep)
 
 
 def warn_at_caller(message: str, category: type[Warning] = UserWarning) -> None:
