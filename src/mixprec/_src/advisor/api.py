@@ -164,8 +164,8 @@ def _search(
     region_sqnr: float,
     target: tuple[float | None, int | None],
 ) -> tuple[Proposal, dict[str, Measurement]]:
-    """The greedy search; when kept modules run in the region's 16-bit dtype (around fp8), each
-    kept module is measured in it too and the search is redone with those figures."""
+    """The search; when kept modules run in the region's 16-bit dtype (around fp8), each kept
+    module is measured in it too and the search is redone with those figures."""
     job = engine.job
     high = high_word(job.candidates, job.region)
     kept_cand = None if high == "fp32" else Candidate(high, job.region)
