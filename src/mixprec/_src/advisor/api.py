@@ -113,17 +113,8 @@ def _advise(
     check: bool,
 ) -> Advice:
     job = engine.job
-    engine.run_reference(targets)
-    notes = [
-        f"{t.name} did not run in forward; not measured" for t in targets if not t.record.calls
-    ]
-    targets = sorted((t for t in targets if t.record.calls), key=lambda t: t.record.first_call)
-    uses_fp16 = job.region == torch.float16 or any(c.is_fp16 for c in job.candidates)
-    engine.scale = propose_scale(targets, engine.reference) if uses_fp16 else 1.0
-    ranges = {
-        t.name: measure.fp16_range(t, engine.reference, engine.scale) if uses_fp16 else None
-        for t in targets
-    }
+    targets, notes = _reference(engine, targets)
+    ranges = _fp16_ranges(engine, targets)
     found = {
         t.name: [measure.isolated(engine, t, c) for c in job.candidates if c.serves(t.module)]
         for t in targets
@@ -135,14 +126,13 @@ def _advise(
     picked = {c.name: c.current.word for c in proposal.choices}
     policy = build_policy(job.model, picked, region_word, names)
     measured = measure.with_policy(engine, "check: proposal applied", policy) if check else None
-    rows = [_module_advice(t, found, ranges, proposal, kept) for t in targets]
     return Advice(
         policy=policy,
         dtype=job.region,
         device_type=job.device.type,
-        init_scale=engine.scale if uses_fp16 else None,
+        init_scale=engine.scale if _uses_fp16(job) else None,
         kept_precision=high_word(job.candidates, job.region),
-        modules=tuple(rows),
+        modules=tuple(_module_advice(t, found, ranges, proposal, kept) for t in targets),
         candidates=tuple(c.word for c in job.candidates),
         min_sqnr=min_sqnr,
         keep_at_most=keep_at_most,
@@ -154,6 +144,29 @@ def _advise(
         passes=engine.passes,
         notes=tuple(notes + proposal.notes),
     )
+
+
+def _reference(engine: Engine, targets: list[Target]) -> tuple[list[Target], list[str]]:
+    """The float32 pass; the targets that ran, in the order they first ran, and notes."""
+    engine.run_reference(targets)
+    notes = [
+        f"{t.name} did not run in forward; not measured" for t in targets if not t.record.calls
+    ]
+    ran = sorted((t for t in targets if t.record.calls), key=lambda t: t.record.first_call)
+    return ran, notes
+
+
+def _uses_fp16(job: Job) -> bool:
+    return job.region == torch.float16 or any(c.is_fp16 for c in job.candidates)
+
+
+def _fp16_ranges(engine: Engine, targets: list[Target]) -> dict[str, Fp16Range | None]:
+    """With float16 in play: the proposed loss scale (every later pass uses it) and each
+    target's range figures; else no figures and no scale."""
+    if not _uses_fp16(engine.job):
+        return dict.fromkeys((t.name for t in targets), None)
+    engine.scale = propose_scale(targets, engine.reference)
+    return {t.name: measure.fp16_range(t, engine.reference, engine.scale) for t in targets}
 
 
 def _search(
