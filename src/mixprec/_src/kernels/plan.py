@@ -138,12 +138,13 @@ def plan_grads(optimizer: torch.optim.Optimizer) -> GradPlan:
     if torch.compiler.is_compiling():  # the cache and the flat views read storage addresses,
         return _build_plan_slow(optimizer)  # which dynamo cannot trace: plain per-group plan
     grads = _current_grads(optimizer)
-    cached = _CACHE.get(optimizer)
+    cached = _CACHE.get(optimizer) if _CACHE else None
     if cached is not None and grads is not None and cached.matches(grads):
         return cached.plan
     plan = _build_plan(optimizer, grads)
     for key, group in plan.dense.items():
-        views = flat_views(group)
+        # autograd's own grads own their storage (no _base): not flat, as flat_views would say
+        views = None if group[0]._base is None else flat_views(group)
         if views is not None:
             plan.flat[key] = views
     if grads is not None and _cacheable(plan):  # no grad is None then

@@ -22,6 +22,8 @@ threads; GPU figures come from ``benchmarks/gpu_check.py``):
 
 from __future__ import annotations
 
+import operator
+
 import torch
 
 from mixprec._src.devices import caps
@@ -64,22 +66,46 @@ def unscale_grads_(
 
     Host sync: none.
     """
+    groups = _gather(plan, coalesce_fp16=True)
+    if _tracked(groups):  # grads with a graph (create_graph=True): do not record the unscale
+        with torch.no_grad():
+            _unscale_groups_(groups, inv_scale, found_inf_per_device, check_output)
+    else:  # nothing to record: torch.no_grad() would only cost its Python overhead
+        _unscale_groups_(groups, inv_scale, found_inf_per_device, check_output)
+
+
+_REQUIRES_GRAD = operator.attrgetter("requires_grad")
+
+
+def _tracked(groups: dict[tuple[torch.device, torch.dtype], list[torch.Tensor]]) -> bool:
+    """Whether autograd would record an in-place op on these tensors (always assumed under
+    torch.compile, which traces torch.no_grad() for free)."""
+    if torch.compiler.is_compiling():
+        return True
+    return torch.is_grad_enabled() and any(any(map(_REQUIRES_GRAD, g)) for g in groups.values())
+
+
+def _unscale_groups_(
+    groups: dict[tuple[torch.device, torch.dtype], list[torch.Tensor]],
+    inv_scale: torch.Tensor,
+    found_inf_per_device: dict[torch.device, torch.Tensor],
+    check_output: bool,
+) -> None:
     inv_by_device: dict[torch.device, torch.Tensor] = {}
-    with torch.no_grad():
-        for (device, _dtype), grads in _gather(plan, coalesce_fp16=True).items():
-            found = found_inf_on(found_inf_per_device, device)
-            inv = inv_by_device.get(device)
-            if inv is None:
-                same = inv_scale.device == device
-                inv = inv_scale if same else inv_scale.to(device, non_blocking=True)
-                inv_by_device[device] = inv
-            if caps(device).amp_kernels:
-                torch._amp_foreach_non_finite_check_and_unscale_(grads, found, inv)
-                if check_output:
-                    _any_non_finite_(grads, found)
-            else:
-                torch._foreach_mul_(grads, inv)
+    for (device, _dtype), grads in groups.items():
+        found = found_inf_on(found_inf_per_device, device)
+        inv = inv_by_device.get(device)
+        if inv is None:
+            same = inv_scale.device == device
+            inv = inv_scale if same else inv_scale.to(device, non_blocking=True)
+            inv_by_device[device] = inv
+        if caps(device).amp_kernels:
+            torch._amp_foreach_non_finite_check_and_unscale_(grads, found, inv)
+            if check_output:
                 _any_non_finite_(grads, found)
+        else:
+            torch._foreach_mul_(grads, inv)
+            _any_non_finite_(grads, found)
 
 
 def check_finite_(plan: GradPlan, found_inf_per_device: dict[torch.device, torch.Tensor]) -> None:

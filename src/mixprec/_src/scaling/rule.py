@@ -129,8 +129,18 @@ HOST = Ops(
     wide=float,
     f32=to_f32,
 )
+
+
+def _tensor_where(cond: torch.Tensor, a: Any, b: Any) -> torch.Tensor:
+    """``torch.where``; two Python floats (the factors) stay float64, as torch's kernel keeps
+    them, instead of becoming float32."""
+    if isinstance(a, float) and not isinstance(b, torch.Tensor):
+        a = torch.tensor(a, dtype=caps(cond.device).wide_float, device=cond.device)
+    return torch.where(cond, a, b)
+
+
 DEVICE = Ops(
-    where=torch.where,
+    where=_tensor_where,
     both=operator.and_,
     either=operator.or_,
     negate=operator.invert,
@@ -159,13 +169,15 @@ def next_scale(
     streak = ops.where(overflow, _count_up(streak, ops), 0)
     tracker = _count_up(tracker, ops)
     at_interval = ops.both(ops.negate(overflow), ops.at_least(tracker, config.growth_interval))
-    grown = ops.f32(ops.wide(scale) * config.growth_factor)
-    if config.max_scale is not None:
-        grown = ops.minimum(grown, config.max_scale)
-    grows = ops.both(at_interval, ops.isfinite(grown))
     shrinks = ops.both(overflow, ops.at_least(streak, config.hysteresis))
-    shrunk = ops.f32(ops.wide(scale) * config.backoff_factor)
-    scale = ops.where(shrinks, shrunk, ops.where(grows, grown, scale))
+    # One product: by the backoff, by the growth, or by 1 (exact: the scale is a float32).
+    factor = ops.where(
+        shrinks, config.backoff_factor, ops.where(at_interval, config.growth_factor, 1.0)
+    )
+    candidate = ops.f32(ops.wide(scale) * factor)
+    if config.max_scale is not None:
+        candidate = ops.minimum(candidate, config.max_scale)
+    scale = ops.where(ops.isfinite(candidate), candidate, scale)  # growth to inf is refused
     tracker = ops.where(ops.either(overflow, at_interval), 0, tracker)
     scale = ops.maximum(scale, config.floor)
     if config.max_scale is not None:
