@@ -16,6 +16,7 @@ from typing import Any
 
 import torch
 
+from mixprec._src.devices import caps
 from mixprec.errors import ConfigError
 
 #: Smallest normal float32. The scale never goes below it, so ``1 / scale`` stays finite.
@@ -192,7 +193,7 @@ def validated_new_scale(
     value: Any, device: torch.device, config: ScalerConfig
 ) -> float | torch.Tensor:
     """``update(new_scale)``'s argument, checked: a float within the bounds, or a 1-element
-    real tensor on the scale's device type (checked for range too when it is on the CPU).
+    real tensor on the scale's device type (checked for range too when it is in host memory).
 
     Raises:
         ConfigError: anything else (names the value and what to pass).
@@ -211,7 +212,7 @@ def validated_new_scale(
                 f"new_scale is on {value.device} but the scale lives on {device}; pass "
                 f"new_scale.to('{device}') or a float."
             )
-        if value.is_cpu:
+        if caps(value.device).host_memory:  # reading it costs nothing: check its value too
             validated_new_scale(value.item(), device, config)
         return value.reshape(())
     if isinstance(value, bool) or not isinstance(value, numbers.Real):
