@@ -37,16 +37,17 @@ def cases(out: str) -> dict[str, str]:
 
 
 def _time(code: str) -> float:
-    env = {**os.environ, "OMP_NUM_THREADS": "1"}
     start = time.perf_counter()
-    subprocess.run([sys.executable, "-c", code], check=True, capture_output=True, env=env)
+    subprocess.run([sys.executable, "-c", code], check=True, capture_output=True)
     return time.perf_counter() - start
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--repeat", type=int, default=5, help="runs per case (default: 5)")
+    parser.add_argument("--threads", type=int, default=1, help="OMP_NUM_THREADS of each run (1)")
     args = parser.parse_args()
+    os.environ["OMP_NUM_THREADS"] = str(args.threads)
     with tempfile.TemporaryDirectory() as out:
         todo = cases(out)
         times: dict[str, list[float]] = {name: [] for name in todo}

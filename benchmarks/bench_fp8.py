@@ -153,7 +153,10 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--width", type=int, default=1024)
     ap.add_argument("--recipes", default=",".join(RECIPES))
     ap.add_argument("--no-compile", action="store_true")
+    ap.add_argument("--threads", type=int, default=None, help="torch.set_num_threads (torch's)")
     args = ap.parse_args(argv)
+    if args.threads is not None:
+        torch.set_num_threads(args.threads)
     recipes = [r for r in args.recipes.split(",") if r]
     device = args.device
     sync = torch.cuda.synchronize if device.startswith("cuda") else (lambda: None)

@@ -37,6 +37,20 @@ def test_run_quick_prints_every_row():
     assert "skip decisions identical" in out.stdout
 
 
+@pytest.mark.parametrize("script", sorted(p.name for p in BENCH.glob("bench_*.py")))
+def test_every_benchmark_takes_the_options_run_py_passes(script: str) -> None:
+    """run.py runs each bench_*.py with --threads N after its own table."""
+    out = subprocess.run(
+        [sys.executable, str(BENCH / script), "--help"],
+        capture_output=True,
+        text=True,
+        timeout=120,
+        check=False,
+    )
+    assert out.returncode == 0, out.stderr[-3000:]
+    assert "--threads" in out.stdout
+
+
 def test_gpu_check_without_cuda_exits_cleanly(capsys, monkeypatch):
     gpu_check = load("gpu_check")
     monkeypatch.setattr(gpu_check.torch.cuda, "is_available", lambda: False)

@@ -259,7 +259,7 @@ def test_mode_serves_only_its_weight() -> None:
     lin, other = nn.Linear(4, 4), nn.Linear(4, 4)
     x = torch.randn(2, 4)
     want_other, want_lin = other(x), lin(x)
-    with Fp8LinearMode(lin.weight, Plan(get_recipe("tensorwise"), torch.float32, False)):
+    with Fp8LinearMode(((lin.weight, Plan(get_recipe("tensorwise"), torch.float32, False)),)):
         assert torch.equal(other(x), want_other)
         assert not torch.equal(lin(x), want_lin)
 

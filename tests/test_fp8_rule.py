@@ -112,6 +112,56 @@ def test_precedence_islands_and_stats_names() -> None:
     assert all(m.recipe == "tensorwise" for m in stats.read().values())
 
 
+def test_a_rule_on_a_container_reaches_the_linears_inside_it() -> None:
+    """'body=fp8' runs body's Linears in fp8, as 'body.*=fp8' does; a rule inside it wins there."""
+    x = torch.randn(4, 16)
+    by_class = fwd_bwd(Net(), x, mixprec.autocast("cpu", BF16, policy=mixprec.Policy("body.*=fp8")))
+    stats = mixprec.Fp8Stats()
+    with stats:
+        by_container = fwd_bwd(
+            Net(), x, mixprec.autocast("cpu", BF16, policy=mixprec.Policy("body=fp8"))
+        )
+    assert equal(by_container, by_class)
+    assert stats.names == ["body.0", "body.2"]  # recorded under each Linear's own name
+    plain = fwd_bwd(Net(), x, mixprec.autocast("cpu", BF16))
+    assert not equal(by_container[:1], plain[:1])
+
+    net, seen = Net(), {}
+    net.body[2].register_forward_hook(lambda m, args, out: seen.update(inp=args[0], out=out))
+    stats = mixprec.Fp8Stats()
+    with (
+        stats,
+        mixprec.autocast("cpu", BF16, policy=mixprec.Policy("body=fp8:rowwise, body.2=bf16")),
+    ):
+        net(x)
+    assert stats.names == ["body.0"] and stats.read()["body.0"].recipe == "rowwise"
+    with torch.autocast("cpu", dtype=BF16):
+        assert torch.equal(seen["out"], net.body[2](seen["inp"]))  # plain bf16 inside the container
+    stats = mixprec.Fp8Stats()
+    with stats, mixprec.autocast("cpu", BF16, policy=mixprec.Policy("root=fp8, root.island=fp32")):
+        wrapper = nn.Sequential()
+        wrapper.add_module("root", Net())
+        wrapper(x)
+    assert stats.names == [
+        "root.body.0",
+        "root.body.2",
+        "root.lm_head",
+    ]  # the fp32 island is closed
+
+
+def test_an_fp8_rule_that_reaches_no_linear_is_refused() -> None:
+    net = nn.Sequential(nn.Linear(8, 8), nn.LayerNorm(8), nn.Sequential(nn.GELU()))
+    x = torch.randn(2, 8)
+    for spec in ("1=fp8", "2=fp8:rowwise", "0=fp32, *=fp8"):
+        refused = pytest.raises(
+            ConfigError, match=r"reaches no Linear module: .*of this model: '0'"
+        )
+        with refused, mixprec.autocast("cpu", BF16, policy=mixprec.Policy(spec)):
+            net(x)
+    with mixprec.autocast("cpu", BF16, policy=mixprec.Policy("*=fp8")):  # reaches '0': fine
+        assert net(x).dtype == BF16
+
+
 def test_rule_values_and_errors() -> None:
     assert (
         mixprec.Rule("fp8")
@@ -181,14 +231,15 @@ def test_activation_checkpointing(reentrant: bool) -> None:
 
 @pytest.mark.slow
 @pytest.mark.filterwarnings("ignore:Using `torch.compile\\(module\\)` when there are global hooks")
-def test_compile_without_graph_breaks_and_equal_to_eager() -> None:
+@pytest.mark.parametrize("spec", ["nn.Linear=fp8", "0=fp8"])
+def test_compile_without_graph_breaks_and_equal_to_eager(spec: str) -> None:
     torch._dynamo.reset()
-    model = mlp()
+    model = nn.Sequential(mlp())  # "0" is a container: its rule serves both Linears
     x = torch.randn(8, 32)
     # Tensorwise: its scales are not powers of two, so dequantized values are not exact in bf16
     # and a matmul that autocast turned into bf16 (a compiled backward is traced under the
     # forward's autocast state) shows up as a difference from eager.
-    policy = mixprec.Policy("nn.Linear=fp8")
+    policy = mixprec.Policy(spec)
     eager = fwd_bwd(model, x, mixprec.autocast("cpu", BF16, policy=policy))
     with mixprec.autocast("cpu", BF16, policy=policy):
         explained = torch._dynamo.explain(model)(x)

@@ -20,6 +20,7 @@ from torch.fx import GraphModule
 from torch.nn.modules import module as nn_module
 
 from mixprec._src.autocast._casting import cast_tree, cast_value, first_floating_dtype
+from mixprec._src.autocast._fp8 import check_fp8_reach, fp8_targets
 from mixprec._src.autocast.policy import Policy
 from mixprec._src.autocast.rules import Rule
 from mixprec._src.fp8 import hook as fp8_hook
@@ -127,6 +128,7 @@ class _Record:
         self.low = torch.float16
         self.live = False
         self.handles: list[Any] = []
+        self.fp8_targets: tuple[tuple[str, nn.Module], ...] | None = None  # from rule and name
 
 
 def _record(module: nn.Module) -> _Record | None:
@@ -161,6 +163,7 @@ def _bind(frame: Frame, module: nn.Module, name: str) -> bool:
         rec.policy, rec.name, rec.rule = policy, name, rule
     elif rec.policy is not policy or rec.name != name:
         rec.policy, rec.name, rec.rule = policy, name, policy.module_rule(module, name)
+        rec.fp8_targets = None
     rec.device_type, rec.low, rec.live = frame.device_type, frame.dtype, frame.enabled
     return fresh
 
@@ -175,6 +178,7 @@ def _prepare_tree(root: nn.Module, policy: Policy, include_root: bool = False) -
     for name, mod in root.named_modules():
         if name and _record(mod) is None and policy.module_rule(mod, name) is not None:
             _attach(mod)
+    check_fp8_reach(root, policy)
     object.__setattr__(root, _PREPARED_ATTR, policy)
 
 
@@ -292,7 +296,9 @@ def _enter_rule(
     )
     if rule.compute == "fp8":  # fp8 (#14): own matmuls in fp8, the region's dtype around them
         assert rule.recipe is not None
-        token = fp8_hook.enter_module(module, rec.name, get_recipe(rule.recipe), rec.low)
+        if rec.fp8_targets is None:
+            rec.fp8_targets = fp8_targets(module, rec.name or "", rec.policy)
+        token = fp8_hook.enter_modules(rec.fp8_targets, get_recipe(rule.recipe), rec.low)
         return (*saved[:3], token), args, kwargs
     if rule.compute in ("fp32", "keep"):
         torch.set_autocast_enabled(dev, False)

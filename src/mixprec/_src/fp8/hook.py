@@ -9,7 +9,7 @@ the same hooks when ``torch.utils.checkpoint`` recomputes the module.
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from typing import Any
 
 import torch
@@ -39,13 +39,14 @@ def can_serve(module_type: type) -> bool:
 
 
 class Fp8LinearMode(TorchFunctionMode):
-    """Routes ``F.linear(x, weight, bias)`` on one given weight to the fp8 Linear.
+    """Routes ``F.linear(x, weight, bias)`` on the given weights to the fp8 Linear, each with
+    its own plan; every other call passes through.
 
     Example:
         >>> from mixprec._src.fp8.recipes import get_recipe
         >>> lin = nn.Linear(4, 3)
         >>> plan = Plan(get_recipe("rowwise"), torch.float32, scaled_mm=False)
-        >>> with Fp8LinearMode(lin.weight, plan):
+        >>> with Fp8LinearMode(((lin.weight, plan),)):
         ...     y = lin(torch.randn(2, 4))
         >>> y.grad_fn.name()
         'AddBackward0'
@@ -53,10 +54,9 @@ class Fp8LinearMode(TorchFunctionMode):
     Host sync: none.
     """
 
-    def __init__(self, weight: torch.Tensor, plan: Plan) -> None:
+    def __init__(self, served: tuple[tuple[torch.Tensor, Plan], ...]) -> None:
         super().__init__()
-        self.weight = weight
-        self.plan = plan
+        self.served = served  # compared with ``is``: traceable, and tied weights need no care
 
     def __torch_function__(
         self,
@@ -68,17 +68,18 @@ class Fp8LinearMode(TorchFunctionMode):
         kwargs = kwargs or {}
         if func is F.linear:
             weight = args[1] if len(args) > 1 else kwargs.get("weight")
-            if weight is self.weight:
-                bias = args[2] if len(args) > 2 else kwargs.get("bias")
-                x = args[0] if args else kwargs["input"]
-                return fp8_linear(x, weight, bias, self.plan)
+            for served, plan in self.served:
+                if weight is served:
+                    bias = args[2] if len(args) > 2 else kwargs.get("bias")
+                    x = args[0] if args else kwargs["input"]
+                    return fp8_linear(x, weight, bias, plan)
         return func(*args, **kwargs)
 
 
 def enter_module(
     module: nn.Module, name: str | None, recipe: Recipe, hp: torch.dtype
 ) -> Fp8LinearMode | None:
-    """Start running ``module``'s own matmuls in fp8 (the rest stays as it was); None if it has
+    """Start running ``module``'s own matmul in fp8 (the rest stays as it was); None if it has
     no weight to serve. ``hp`` is the high-precision dtype around the matmuls. While an
     :class:`~mixprec.Fp8Stats` is entered, the module's casts are recorded under ``name``.
 
@@ -90,16 +91,37 @@ def enter_module(
 
     Host sync: none.
     """
-    weight = getattr(module, "weight", None)
-    if not isinstance(weight, torch.Tensor):
-        return None
+    return enter_modules(((name or "", module),), recipe, hp)
+
+
+def enter_modules(
+    targets: Sequence[tuple[str, nn.Module]], recipe: Recipe, hp: torch.dtype
+) -> Fp8LinearMode | None:
+    """Start running the matmuls of several modules in fp8, each recorded under its own name
+    (what a rule on a container does for the Linear modules inside it); None if none of them
+    has a weight to serve.
+
+    Example:
+        >>> from mixprec._src.fp8.recipes import get_recipe
+        >>> net = nn.Sequential(nn.Linear(4, 4), nn.ReLU(), nn.Linear(4, 2))
+        >>> targets = [("0", net[0]), ("2", net[2])]
+        >>> token = enter_modules(targets, get_recipe("rowwise"), torch.float32)
+        >>> y = net(torch.randn(2, 4)); exit_module(token)
+
+    Host sync: none.
+    """
     stats = active_stats()
-    slot = None
-    if stats is not None:
-        if torch.compiler.is_compiling():
-            _refuse_stats_while_compiling()
-        slot = stats.slot(name or "", weight.device, recipe.name)
-    mode = Fp8LinearMode(weight, Plan(recipe, hp, use_scaled_mm(weight.device), slot))
+    if stats is not None and torch.compiler.is_compiling():
+        _refuse_stats_while_compiling()
+    served = []
+    for name, module in targets:
+        weight = getattr(module, "weight", None)
+        if isinstance(weight, torch.Tensor):
+            slot = None if stats is None else stats.slot(name, weight.device, recipe.name)
+            served.append((weight, Plan(recipe, hp, use_scaled_mm(weight.device), slot)))
+    if not served:
+        return None
+    mode = Fp8LinearMode(tuple(served))
     mode.__enter__()
     return mode
 
