@@ -11,6 +11,9 @@ which records regions into the graph), the region builds one instead (:func:`pus
 
 from __future__ import annotations
 
+import warnings
+from typing import Any
+
 import torch
 
 Saved = tuple[bool, torch.dtype, bool]
@@ -90,3 +93,28 @@ def pop(device: str, saved: Saved) -> None:
     torch.set_autocast_enabled(device, saved[0])
     torch.set_autocast_dtype(device, saved[1])
     torch.set_autocast_cache_enabled(saved[2])
+
+
+NATIVE: dict[tuple[str, torch.dtype], tuple[bool, tuple[tuple[str, type[Warning]], ...]]] = {}
+
+
+def native_decision(device: str, dtype: torch.dtype) -> tuple[bool, tuple[Any, ...]]:
+    """Whether ``torch.autocast(device, dtype)`` enables itself here, and the warnings it gives
+    (e.g. CUDA requested on a machine without CUDA). Asked once per (device, dtype); torch's
+    errors (CUDA bfloat16 on a GPU without it) propagate, at construction, as with torch.
+
+    Example:
+        >>> import torch
+        >>> native_decision("cpu", torch.bfloat16)
+        (True, ())
+
+    Host sync: none.
+    """
+    found = NATIVE.get((device, dtype))
+    if found is None:
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            native = torch.autocast(device, dtype=dtype, enabled=True)
+        notes = tuple((str(w.message), w.category) for w in caught)
+        found = NATIVE[(device, dtype)] = (bool(native._enabled), notes)
+    return found

@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import functools
-import warnings
 from collections.abc import Callable
 from typing import Any, TypeVar
 
@@ -17,36 +16,15 @@ from mixprec._src.autocast._devices import (
     resolve_device_type,
     resolve_region_dtype,
 )
-from mixprec._src.autocast._modules import (
-    TLS,
-    Frame,
-    acquire_global_hooks,
-    detach_hooks,
-    release_global_hooks,
-)
-from mixprec._src.autocast._ops import OpRuleMode
+from mixprec._src.autocast._machinery import Entered, enter_machinery, exit_machinery
+from mixprec._src.autocast._modules import TLS, detach_hooks
 from mixprec._src.autocast.policy import Policy, coerce_policy
 from mixprec._src.autocast.report import DtypeReport
 from mixprec.errors import ConfigError, RegionStateError
 
 F = TypeVar("F", bound=Callable[..., Any])
 
-_NATIVE: dict[tuple[str, torch.dtype], tuple[bool, tuple[tuple[str, type[Warning]], ...]]] = {}
 _CACHE = (None, True, False)
-
-
-def _native_decision(device: str, dtype: torch.dtype) -> tuple[bool, tuple[Any, ...]]:
-    """Whether ``torch.autocast(device, dtype)`` enables itself here, and the warnings it gives
-    (e.g. CUDA requested on a machine without CUDA). Asked once per (device, dtype); torch's
-    errors (CUDA bfloat16 on a GPU without it) propagate, at construction, as with torch."""
-    found = _NATIVE.get((device, dtype))
-    if found is None:
-        with warnings.catch_warnings(record=True) as caught:
-            warnings.simplefilter("always")
-            native = torch.autocast(device, dtype=dtype, enabled=True)
-        notes = tuple((str(w.message), w.category) for w in caught)
-        found = _NATIVE[(device, dtype)] = (bool(native._enabled), notes)
-    return found
 
 
 def _check_bool(name: str, value: object, allow_none: bool = False) -> None:
@@ -75,19 +53,6 @@ def _refuse_while_compiling(message: str) -> None:
     # Dynamo runs this eagerly (a graph break), so the error reaches the user instead of being
     # absorbed by tracing.
     raise ConfigError(message)
-
-
-class _Entered:
-    """What one ``__enter__`` did, so that ``__exit__`` can undo exactly that."""
-
-    __slots__ = ("frame", "hooks", "mode", "native", "recorder")
-
-    def __init__(self, native: torch.autocast) -> None:
-        self.native = native
-        self.frame: Frame | None = None
-        self.hooks = False
-        self.mode: OpRuleMode | None = None
-        self.recorder: Any = None
 
 
 class autocast:
@@ -199,9 +164,8 @@ class autocast:
                 self.device, device_type is not None, dtype, enabled
             )
         if on:  # as torch.autocast: it may turn itself off here (and say so, at this line)
-            on, notes = _NATIVE.get((self.device, self.fast_dtype)) or _native_decision(
-                self.device, self.fast_dtype
-            )
+            key = (self.device, self.fast_dtype)
+            on, notes = _native_state.NATIVE.get(key) or _native_state.native_decision(*key)
             for message, category in notes:
                 warn_at_caller(message, category)
         self.enabled = on
@@ -248,37 +212,14 @@ class autocast:
             raise ConfigError(_COMPILE_MSG)
         native = self._native()
         native.__enter__()
-        entered = _Entered(native)
+        entered = Entered(native)
         self._stack.append(entered)
         try:
-            self._enter_machinery(entered)
+            enter_machinery(entered, self.device, self.fast_dtype, self.policy, self.report)
         except BaseException:
             self._stack.pop()
             native.__exit__(None, None, None)
             raise
-
-    def _enter_machinery(self, entered: _Entered) -> None:
-        tls = TLS
-        policy = self.policy
-        if policy is None and tls.frames:
-            policy = tls.frames[-1].policy
-        enabled = bool(getattr(entered.native, "_enabled", self.enabled))
-        frame = Frame(self.device, self.fast_dtype, enabled, policy)
-        frame.stack_len = len(tls.stack)
-        if not tls.frames:
-            tls.root, tls.root_map, tls.roots = None, {}, []  # names: roots run in this region
-        tls.frames.append(frame)
-        entered.frame = frame
-        if (policy is not None and policy.has_module_rules) or self.report is not None:
-            acquire_global_hooks(post=self.report is not None)
-            entered.hooks = True
-            tls.reporting += self.report is not None
-        if policy is not None and policy.op_rules and enabled:
-            entered.mode = OpRuleMode(policy._op_table, self.device)
-            entered.mode.__enter__()
-        if self.report is not None:
-            entered.recorder = self.report.record("forward")
-            entered.recorder.__enter__()
 
     def __exit__(self, exc_type: Any, exc: Any, tb: Any) -> None:
         if not self._stack:
@@ -290,7 +231,7 @@ class autocast:
         if type(top) is tuple:
             _native_state.pop(self.device, self._stack.pop())
             return
-        if not isinstance(top, _Entered):
+        if not isinstance(top, Entered):
             self._stack.pop().__exit__(exc_type, exc, tb)
             return
         if torch.compiler.is_compiling():
@@ -301,31 +242,9 @@ class autocast:
     def _exit_full(self, exc_type: Any, exc: Any, tb: Any) -> None:
         entered = self._stack.pop()
         try:
-            self._exit_machinery(entered, exc_type is None)
+            exit_machinery(entered, self.policy, exc_type is None)
         finally:
             entered.native.__exit__(exc_type, exc, tb)
-
-    def _exit_machinery(self, entered: _Entered, clean: bool) -> None:
-        tls = TLS
-        frame = entered.frame
-        assert frame is not None
-        try:
-            if entered.recorder is not None:
-                entered.recorder.__exit__(None, None, None)
-            if entered.mode is not None:
-                entered.mode.__exit__(None, None, None)
-        finally:
-            if entered.hooks:
-                release_global_hooks(post=self.report is not None)
-                tls.reporting -= self.report is not None
-            del tls.frames[tls.frames.index(frame) :]
-            del tls.stack[frame.stack_len :]
-        policy = frame.policy
-        strict = clean and policy is not None and policy is self.policy and policy.strict
-        if strict and policy is not None and policy.name_rules and frame.names_seen:
-            error = policy._unmatched_error(sorted(frame.names_seen), "that ran in the region")
-            if error is not None:
-                raise error
 
     def __call__(self, func: F) -> F:
         """Use the region as a decorator: each call enters a fresh region with these settings.
