@@ -106,7 +106,7 @@ def test_readme_install_lines_work_without_make() -> None:
         "pip install .",
         "pip install '.[plot,progress]'",
         "pip install -c constraints.txt",
-        "git+https://",
+        "mixprec @ git+URL",  # URL: the address the repository is cloned from
     ):
         assert line in README, line
     assert "LICENSE" in README and "CHANGELOG.md" in README
