@@ -209,14 +209,26 @@ def test_huge_settings_are_config_errors(kwargs: dict[str, Any], needle: str) ->
 
 @pytest.mark.parametrize(
     "new_scale",
-    [10**400, torch.tensor(2.0 + 0.0j), torch.tensor(2.0, device="meta"), torch.tensor([])],
-    ids=["huge-int", "complex", "meta", "empty"],
+    [
+        10**400,
+        torch.tensor(2.0 + 0.0j),
+        torch.tensor(2.0, device="meta"),
+        torch.tensor([]),
+        torch.tensor(math.nan),
+        torch.tensor(0.0),
+        torch.tensor(-4.0),
+        torch.tensor(1e39, dtype=torch.float64),
+    ],
+    ids=["huge-int", "complex", "meta", "empty", "nan", "zero", "negative", "above-float32"],
 )
+@both_paths
 def test_bad_new_scales_are_config_errors(new_scale: Any) -> None:
+    """Also on the device path: a tensor is checked there too (one read), never copied in blind."""
     scaler = mixprec.GradScaler()
     scaler.scale(torch.ones(()))
     with pytest.raises(ConfigError, match="new_scale"):
         scaler.update(new_scale)
+    assert scaler.get_scale() == 2.0**16  # nothing changed
 
 
 # ---------------------------------------------------------------- scale() and containers

@@ -16,7 +16,6 @@ from typing import Any
 
 import torch
 
-from mixprec._src.devices import caps
 from mixprec.errors import ConfigError
 
 #: Smallest normal float32. The scale never goes below it, so ``1 / scale`` stays finite.
@@ -189,16 +188,14 @@ class ScalerConfig:
         return replace(self, **changes)
 
 
-def validated_new_scale(
-    value: Any, device: torch.device, config: ScalerConfig
-) -> float | torch.Tensor:
-    """``update(new_scale)``'s argument, checked: a float within the bounds, or a 1-element
-    real tensor on the scale's device type (checked for range too when it is in host memory).
+def validated_new_scale(value: Any, device: torch.device, config: ScalerConfig) -> float:
+    """``update(new_scale)``'s argument, checked: a number, or a 1-element real tensor on the
+    scale's device type, within the bounds; returned as a float.
 
     Raises:
         ConfigError: anything else (names the value and what to pass).
 
-    Host sync: none (a CPU tensor is read from host memory).
+    Host sync: one for a tensor off the host (its value is read to check it); none otherwise.
     """
     if isinstance(value, torch.Tensor):
         if value.numel() != 1 or value.requires_grad or value.is_complex():
@@ -212,9 +209,9 @@ def validated_new_scale(
                 f"new_scale is on {value.device} but the scale lives on {device}; pass "
                 f"new_scale.to('{device}') or a float."
             )
-        if caps(value.device).host_memory:  # reading it costs nothing: check its value too
-            validated_new_scale(value.item(), device, config)
-        return value.reshape(())
+        # Read and checked on every device: a NaN or out-of-range tensor copied in unchecked
+        # would skip every later step without a word.
+        return validated_new_scale(value.item(), device, config)
     if isinstance(value, bool) or not isinstance(value, numbers.Real):
         raise ConfigError(
             f"new_scale must be a float, an int, a 1-element tensor or the optimizer, got "

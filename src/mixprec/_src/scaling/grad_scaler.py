@@ -185,7 +185,8 @@ class GradScaler:
             ConfigError: ``new_scale`` is not finite and within the bounds, or a bad tensor.
 
         Host sync: none (one when ``max_consecutive_skips`` is set and the iteration's outcome
-        is not already known on the host, i.e. fused optimizers off the CPU).
+        is not already known on the host, i.e. fused optimizers off the CPU; one when
+        ``new_scale`` is a tensor off the host, whose value is read to check it).
         """
         if not self._settings.enabled:
             return

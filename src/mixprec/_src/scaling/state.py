@@ -220,26 +220,18 @@ class ScaleState:
         else:
             self._unknown(max(self._bound * config.backoff_factor * _ROUNDING_MARGIN, config.floor))
 
-    def set_scale(self, value: float | torch.Tensor) -> None:
+    def set_scale(self, value: float) -> None:
         """Set the scale (``update(new_scale)``), keeping the tracker, streak and counters.
 
-        A float is rounded to float32 as ``fill_`` rounds it; a tensor is cast by ``copy_``
-        exactly as torch casts it. Call with a validated value.
+        Rounded to float32 as ``fill_`` rounds it (as torch's ``copy_`` of a float64 tensor
+        rounds). Call with a validated value.
 
-        Host sync: none off the host (in host memory the new scale is read back: free).
+        Host sync: none.
         """
         tensors = self.tensors  # current: the host view may be dropped below
         assert tensors is not None
-        if isinstance(value, torch.Tensor):
-            tensors.scale.copy_(value)
-            if self._host_memory:
-                scale = float(tensors.scale.item())
-            else:
-                self._unknown(0.0)  # not validated off the host: anything is possible
-                return
-        else:
-            scale = to_f32(value)
-            tensors.scale.fill_(scale)
+        scale = to_f32(value)
+        tensors.scale.fill_(scale)
         if self._host is None:
             self._unknown(scale)
         else:
