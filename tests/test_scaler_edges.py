@@ -271,6 +271,33 @@ def test_scale_rebuilds_the_mappings_it_can_and_refuses_the_rest() -> None:
         scaler.scale(Frozen())
 
 
+class Pair(list):  # type: ignore[type-arg]
+    """A list whose constructor takes its two items, not an iterable."""
+
+    def __init__(self, first: Any, second: Any) -> None:
+        super().__init__([first, second])
+
+
+class Tagged(list):  # type: ignore[type-arg]
+    """A list subclass torch and mixprec can rebuild from a list."""
+
+
+class Counts(defaultdict):  # type: ignore[type-arg]
+    """A defaultdict subclass: its factory must survive."""
+
+
+def test_scale_keeps_sequence_subclasses_it_can_rebuild_and_refuses_the_rest() -> None:
+    scaler = mixprec.GradScaler(init_scale=4.0)
+    t = torch.ones(2)
+    tagged = scaler.scale(Tagged([t, t * 2]))
+    assert type(tagged) is Tagged and torch.equal(tagged[1], t * 8)
+    counts = scaler.scale(Counts(list, a=t))
+    assert type(counts) is Counts and counts.default_factory is list
+    assert torch.equal(counts["a"], t * 4)
+    with pytest.raises(ConfigError, match=r"cannot rebuild a Pair .*Pair\(list\) does not give"):
+        scaler.scale(Pair(t, t))
+
+
 # ---------------------------------------------------------------- torch's legacy fused contract
 
 

@@ -1,11 +1,12 @@
 """``scale()`` of nested outputs: which containers are rebuilt, and how.
 
-Tensors are multiplied by the scale on their own device. Lists and tuples keep their type (named
-tuples too), as torch does; dicts (also ``OrderedDict`` and ``defaultdict``) keep theirs; another
-mapping type is rebuilt from a dict of the scaled values, positionally or by keyword, and kept
-only if the result holds exactly those values (a constructor with keyword fields would otherwise
-put the whole dict in its first field). Any other iterable comes back as a list. What cannot be
-rebuilt is refused with a :class:`~mixprec.errors.ConfigError` naming its type.
+Tensors are multiplied by the scale on their own device. Lists, tuples and dicts (also
+``OrderedDict``) keep their type, as torch does. A subclass is rebuilt from the scaled values
+(a list subclass from a list, a named tuple from its fields, a ``defaultdict`` from its factory
+and a dict, another mapping from a dict, positionally or by keyword) and kept only if the result
+is of the same type and holds exactly those values (a constructor with keyword fields would
+otherwise put the whole dict in its first field). Any other iterable comes back as a list. What
+cannot be rebuilt is refused with a :class:`~mixprec.errors.ConfigError` naming its type.
 """
 
 from __future__ import annotations
@@ -40,10 +41,16 @@ def scale_nested(value: Any, scale_on: ScaleOn) -> Any:
             "scaler.scale(loss).backward()."
         )
     scaled = [scale_nested(v, scale_on) for v in value]
-    if isinstance(value, tuple) and hasattr(value, "_fields"):
-        return type(value)(*scaled)
-    if isinstance(value, (list, tuple)):
-        return type(value)(scaled)
+    kind: Any = type(value)
+    if kind is list or kind is tuple:
+        return kind(scaled)
+    if isinstance(value, (list, tuple)):  # a subclass: kept if its constructor gives it back
+        named = isinstance(value, tuple) and hasattr(value, "_fields")
+        attempt = (lambda: kind(*scaled)) if named else (lambda: kind(scaled))
+        rebuilt = _first_that_holds([attempt], lambda r: _holds_items(r, kind, scaled))
+        if rebuilt is None:
+            raise ConfigError(_cannot_rebuild(kind, f"{kind.__name__}(list) does not give"))
+        return rebuilt
     return scaled
 
 
@@ -53,24 +60,51 @@ def _rebuild_mapping(value: Mapping[Any, Any], scaled: dict[Any, Any]) -> Mappin
         return scaled
     if kind is OrderedDict:
         return OrderedDict(scaled)
-    if kind is defaultdict:
-        return defaultdict(value.default_factory, scaled)  # type: ignore[attr-defined]
-    attempts: list[Callable[[], Any]] = [lambda: kind(scaled)]
+    if isinstance(value, defaultdict):  # its factory first, also for subclasses
+        attempts: list[Callable[[], Any]] = [lambda: kind(value.default_factory, scaled)]
+    else:
+        attempts = [lambda: kind(scaled)]
     if all(isinstance(k, str) for k in scaled):
         attempts.append(lambda: kind(**scaled))
+    rebuilt = _first_that_holds(attempts, lambda r: _holds(r, kind, scaled))
+    if rebuilt is None:
+        forms = f"neither {kind.__name__}(dict) nor {kind.__name__}(**dict) gives"
+        raise ConfigError(
+            _cannot_rebuild(kind, forms) + " Or scale the tensors yourself: "
+            "{k: scaler.scale(v) for k, v in outputs.items()}."
+        )
+    if isinstance(value, defaultdict) and rebuilt.default_factory is not value.default_factory:
+        rebuilt.default_factory = value.default_factory
+    return rebuilt
+
+
+def _first_that_holds(attempts: list[Callable[[], Any]], holds: Callable[[Any], bool]) -> Any:
     for attempt in attempts:
         try:
             rebuilt = attempt()
         except Exception:  # a constructor of another shape: try the next form
             continue
-        if _holds(rebuilt, kind, scaled):
+        if holds(rebuilt):
             return rebuilt
-    raise ConfigError(
-        f"scale() cannot rebuild a {kind.__name__} from its scaled values (neither "
-        f"{kind.__name__}(dict) nor {kind.__name__}(**dict) gives back the same keys and "
-        "values). Pass a dict, or scale the tensors yourself: "
-        "{k: scaler.scale(v) for k, v in outputs.items()}."
+    return None
+
+
+def _cannot_rebuild(kind: type, forms: str) -> str:
+    return (
+        f"scale() cannot rebuild a {kind.__name__} from its scaled values: {forms} back the "
+        "same type holding exactly those values. Pass a dict, a list or a tuple."
     )
+
+
+def _holds_items(rebuilt: Any, kind: Any, scaled: list[Any]) -> bool:
+    try:
+        return (
+            type(rebuilt) is kind
+            and len(rebuilt) == len(scaled)
+            and all(a is b for a, b in zip(rebuilt, scaled, strict=True))
+        )
+    except Exception:  # a sequence that cannot even be read back
+        return False
 
 
 def _holds(rebuilt: Any, kind: Any, scaled: dict[Any, Any]) -> bool:
