@@ -19,7 +19,7 @@ from tests.scaler_paths import device_path
 from torch import nn
 
 import mixprec
-from mixprec.errors import ConfigError, MissingGradError, ScalerStateError
+from mixprec.errors import ConfigError, MissingGradError, MixprecWarning, ScalerStateError
 
 both_paths = pytest.mark.usefixtures("scaler_path")
 
@@ -452,3 +452,21 @@ def test_a_closure_that_never_scales_is_refused_on_every_iteration() -> None:
     with pytest.raises(ScalerStateError, match=r"did not call scaler\.scale\(\)"):
         scaler.step(opt, bad)  # the second iteration: the scale exists already
     assert all(torch.equal(a, p) for a, p in zip(before, model.parameters(), strict=True))
+
+
+@pytest.mark.parametrize(
+    ("kwargs", "saved", "loaded"),
+    [({}, 1e-45, 2.0**-126), ({"init_scale": 2.0**8, "max_scale": 2.0**10}, 2.0**16, 2.0**10)],
+    ids=["subnormal", "above-max_scale"],
+)
+def test_a_loaded_scale_outside_the_bounds_is_clamped_with_a_warning(
+    kwargs: dict[str, Any], saved: float, loaded: float
+) -> None:
+    state = torch.amp.GradScaler("cpu").state_dict()  # torch's keys: the scaler's bounds stay
+    state["scale"] = saved
+    scaler = mixprec.GradScaler(**kwargs)
+    with pytest.warns(
+        MixprecWarning, match=r"state_dict\['scale'\] = .* outside this scaler's bounds"
+    ):
+        scaler.load_state_dict(state)
+    assert scaler.get_scale() == loaded

@@ -74,8 +74,11 @@ def _count(key: str, value: Any, maximum: int) -> int:
     return int(value)
 
 
-def parse_state_dict(state_dict: Any, current: ScalerConfig) -> tuple[ScalerConfig, Values]:
-    """Validate ``state_dict`` completely and return what loading it would set.
+def parse_state_dict(
+    state_dict: Any, current: ScalerConfig
+) -> tuple[ScalerConfig, Values, str | None]:
+    """Validate ``state_dict`` completely and return what loading it would set, and a note to
+    warn with when the scale had to be brought inside the scaler's bounds.
 
     Raises:
         ConfigError: not a mapping, a missing torch key, or a value of the wrong type or range.
@@ -86,14 +89,22 @@ def parse_state_dict(state_dict: Any, current: ScalerConfig) -> tuple[ScalerConf
     if not (math.isfinite(scale) and 0 < scale <= FP32_MAX):
         raise ConfigError(f"state_dict['scale'] must be finite and > 0, got {show(scale)}.")
     config = _config_from(state_dict, current)
-    scale = min(max(to_f32(scale), config.floor), config.ceiling)
+    rounded = to_f32(scale)
+    scale = min(max(rounded, config.floor), config.ceiling)
+    note = None
+    if scale != rounded:
+        note = (
+            f"state_dict['scale'] = {show(rounded)} is outside this scaler's bounds "
+            f"[{config.floor:g}, {config.ceiling:g}] (min_scale/max_scale, or the smallest "
+            f"normal float32); loaded as {scale:g}."
+        )
     counters = state_dict.get("_counters", [0, 0, 0, 0])
     if not isinstance(counters, (list, tuple)) or len(counters) != 4:
         raise ConfigError(
             f"state_dict['_counters'] must be a list of 4 ints, got {show(counters)}."
         )
     tracker = _count("_growth_tracker", state_dict["_growth_tracker"], INT32_MAX)
-    return config, Values(
+    values = Values(
         scale=scale,
         # Capped like set_growth_interval does: at or past the interval, torch's kernel
         # (``tracker + 1 == interval``) would never grow again; this grows at the next clean one.
@@ -103,6 +114,7 @@ def parse_state_dict(state_dict: Any, current: ScalerConfig) -> tuple[ScalerConf
         ),
         counters=tuple(_count("_counters", c, INT64_MAX) for c in counters),  # type: ignore[arg-type]
     )
+    return config, values, note
 
 
 def _check_keys(state_dict: Any) -> None:

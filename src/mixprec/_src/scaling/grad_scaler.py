@@ -31,6 +31,7 @@ from mixprec._src.scaling.phases import PhaseTable
 from mixprec._src.scaling.rule import Values
 from mixprec._src.scaling.state import ScaleState
 from mixprec._src.scaling.telemetry import Telemetry
+from mixprec.errors import MixprecWarning
 
 _Optimizer = torch.optim.Optimizer
 
@@ -351,7 +352,9 @@ class GradScaler:
         """Load a state dict from :meth:`state_dict` or from ``torch.amp.GradScaler``.
 
         Everything is validated before anything changes. Works before the first ``scale()``
-        (the values go into the tensors created then). A no-op when disabled.
+        (the values go into the tensors created then). A no-op when disabled. A scale outside
+        this scaler's bounds (``min_scale``/``max_scale``, the smallest normal float32) is loaded
+        as the nearest bound, with a :class:`~mixprec.errors.MixprecWarning` saying so.
 
         Raises:
             ConfigError: empty dict, missing keys, or values of the wrong type or range (also
@@ -364,8 +367,10 @@ class GradScaler:
         """
         if not self._settings.enabled:
             return
-        config, values = parse_state_dict(state_dict, self._settings.config)
+        config, values, note = parse_state_dict(state_dict, self._settings.config)
         self._phases.require_between_iterations("load_state_dict")
+        if note is not None:
+            warnings.warn(note, MixprecWarning, stacklevel=2)
         self._settings = Settings(config, True, self._settings.history, self._settings.device)
         self._state.load(values)
         self._end_iteration()
