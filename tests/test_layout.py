@@ -8,6 +8,8 @@ dependency); only ``if TYPE_CHECKING:`` blocks are left out (they never run).
 from __future__ import annotations
 
 import ast
+import subprocess
+import sys
 from pathlib import Path
 
 import mixprec
@@ -192,3 +194,13 @@ def test_functions_stay_short() -> None:
 def test_the_root_exports_at_most_25_names() -> None:
     assert len(mixprec.__all__) <= 25
     assert all(hasattr(mixprec, name) for name in mixprec.__all__)
+
+
+def test_import_mixprec_loads_no_integration_and_no_cli() -> None:
+    """`import mixprec` in a fresh interpreter: the integrations and the CLI load on use only."""
+    code = (
+        "import sys, mixprec; print(' '.join(sorted(m for m in sys.modules "
+        "if m.startswith(('mixprec.integrations', 'mixprec.cli')))))"
+    )
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
+    assert done.stdout.split() == []

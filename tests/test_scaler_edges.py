@@ -347,6 +347,8 @@ def _trajectory_with(scaler: Any, model: nn.Module, opt: torch.optim.Optimizer) 
     for it in range(6):
         _iterate(scaler, model, opt, it)
         scales.append(scaler.get_scale())
+        if isinstance(scaler, mixprec.GradScaler):  # the optimizer's own check is recorded
+            assert scaler.last_step_skipped(opt) == (it % 3 == 2), it
     return scales
 
 

@@ -81,6 +81,15 @@ def _fp8_module(
             fp8_hook.exit_module(token)
 
 
+def _default_word(device_type: str) -> str:
+    """The word of torch's autocast dtype for the device type (as ``mixprec.autocast``)."""
+    try:
+        default = torch.get_autocast_dtype(device_type)
+    except RuntimeError:  # a device type without autocast: the region's own error comes later
+        return "fp16"
+    return "bf16" if default == torch.bfloat16 else "fp16"
+
+
 def parse_candidates(words: Sequence[object] | str | None, device_type: str) -> list[Candidate]:
     """Validate candidate words (cheapest first); ``None`` is the device's autocast default.
 
@@ -88,7 +97,7 @@ def parse_candidates(words: Sequence[object] | str | None, device_type: str) -> 
         ConfigError: an empty list, a duplicate, or a word that is not a low-precision rule.
     """
     if words is None:
-        words = ["bf16" if device_type == "cpu" else "fp16"]
+        words = [_default_word(device_type)]
     elif isinstance(words, str):
         words = [w for w in words.replace(" ", "").split(",") if w]
     if not words:

@@ -113,10 +113,24 @@ def _restore_mixprec_attrs(mod: nn.Module, before: dict[str, Any]) -> None:
     mod.__dict__.update(before)
 
 
+def _device_rng(device: torch.device) -> Any:
+    """The accelerator module whose generator ``device`` uses (``torch.cuda``, ``torch.xpu``,
+    ``torch.mps``, ...), or None: the CPU's is torch's default generator."""
+    if device.type == "cpu":
+        return None
+    try:
+        module = torch.get_device_module(device.type)
+    except (RuntimeError, AttributeError):  # a device type without a module
+        return None
+    if not hasattr(module, "get_rng_state"):
+        return None
+    initialized = getattr(module, "is_initialized", None)
+    return module if initialized is None or initialized() else None
+
+
 def _rng_state(device: torch.device) -> tuple[Any, ...]:
-    dev_state = None
-    if device.type == "cuda" and torch.cuda.is_initialized():
-        dev_state = torch.cuda.get_rng_state(device)
+    module = _device_rng(device)
+    dev_state = None if module is None else module.get_rng_state(device)
     return (torch.get_rng_state(), dev_state, random.getstate())
 
 
@@ -126,5 +140,5 @@ def _set_rng_state(device: torch.device, state: tuple[Any, ...]) -> None:
     cpu, dev_state, py = state
     torch.set_rng_state(cpu)
     if dev_state is not None:
-        torch.cuda.set_rng_state(dev_state, device)
+        torch.get_device_module(device.type).set_rng_state(dev_state, device)
     random.setstate(py)
