@@ -149,6 +149,21 @@ def test_a_rule_on_a_container_reaches_the_linears_inside_it() -> None:
     ]  # the fp32 island is closed
 
 
+def test_a_linear_added_to_a_container_is_served_from_the_next_forward() -> None:
+    net, x = Net(), torch.randn(4, 16)
+    policy = mixprec.Policy("body=fp8")
+    with mixprec.autocast("cpu", BF16, policy=policy):
+        net(x)
+    net.body.append(nn.Linear(32, 32))  # surgery between steps
+    names = []
+    for _ in range(2):
+        stats = mixprec.Fp8Stats()
+        with stats, mixprec.autocast("cpu", BF16, policy=policy):
+            net(x)
+        names.append(stats.names)
+    assert names[-1] == ["body.0", "body.2", "body.3"]
+
+
 def test_an_fp8_rule_that_reaches_no_linear_is_refused() -> None:
     net = nn.Sequential(nn.Linear(8, 8), nn.LayerNorm(8), nn.Sequential(nn.GELU()))
     x = torch.randn(2, 8)

@@ -82,7 +82,11 @@ def _unwrap(module: nn.Module) -> nn.Module:
     return inner if isinstance(inner, nn.Module) else module
 
 
+_MAPS_BUILT = [0]  # how many name maps were built: a new one may mean the modules changed
+
+
 def _build_map(root: nn.Module) -> dict[int, str]:
+    _MAPS_BUILT[0] += 1
     mapping = {id(m): name for name, m in root.named_modules(remove_duplicate=False)}
     object.__setattr__(root, _NAMES_ATTR, mapping)
     return mapping
@@ -129,6 +133,7 @@ class _Record:
         self.live = False
         self.handles: list[Any] = []
         self.fp8_targets: tuple[tuple[str, nn.Module], ...] | None = None  # from rule and name
+        self.fp8_maps = 0  # _MAPS_BUILT when fp8_targets was found
 
 
 def _record(module: nn.Module) -> _Record | None:
@@ -296,8 +301,11 @@ def _enter_rule(
     )
     if rule.compute == "fp8":  # fp8 (#14): own matmuls in fp8, the region's dtype around them
         assert rule.recipe is not None
-        if rec.fp8_targets is None:
+        # Found again after a module the name maps did not know ran (modules added or swapped):
+        # from the forward after that, new Linear modules under the rule are served too.
+        if rec.fp8_targets is None or rec.fp8_maps != _MAPS_BUILT[0]:
             rec.fp8_targets = fp8_targets(module, rec.name or "", rec.policy)
+            rec.fp8_maps = _MAPS_BUILT[0]
         token = fp8_hook.enter_modules(rec.fp8_targets, get_recipe(rule.recipe), rec.low)
         return (*saved[:3], token), args, kwargs
     if rule.compute in ("fp32", "keep"):
