@@ -30,15 +30,14 @@ class Entered:
     Host sync: none.
     """
 
-    __slots__ = ("frame", "hooks", "mode", "native", "recorder", "reporting")
+    __slots__ = ("frame", "hooks", "mode", "native", "recorder")
 
     def __init__(self, native: torch.autocast) -> None:
         self.native = native
         self.frame: Frame | None = None
         self.hooks = False
         self.mode: OpRuleMode | None = None
-        self.recorder: Any = None
-        self.reporting = False
+        self.recorder: Any = None  # set when the region records a report
 
 
 def enter_machinery(
@@ -62,11 +61,11 @@ def enter_machinery(
         tls.root, tls.root_map, tls.roots = None, {}, []  # names: roots run in this region
     tls.frames.append(frame)
     entered.frame = frame
-    entered.reporting = report is not None
-    if (policy is not None and policy.has_module_rules) or report is not None:
-        acquire_global_hooks(post=entered.reporting)
+    reporting = report is not None
+    if (policy is not None and policy.has_module_rules) or reporting:
+        acquire_global_hooks(post=reporting)
         entered.hooks = True
-        tls.reporting += entered.reporting
+        tls.reporting += reporting
     if policy is not None and policy.op_rules and enabled:
         entered.mode = OpRuleMode(policy._op_table, device)
         entered.mode.__enter__()
@@ -87,6 +86,7 @@ def exit_machinery(entered: Entered, own_policy: Policy | None, clean: bool) -> 
     tls = TLS
     frame = entered.frame
     assert frame is not None
+    reporting = entered.recorder is not None
     try:
         if entered.recorder is not None:
             entered.recorder.__exit__(None, None, None)
@@ -94,8 +94,8 @@ def exit_machinery(entered: Entered, own_policy: Policy | None, clean: bool) -> 
             entered.mode.__exit__(None, None, None)
     finally:
         if entered.hooks:
-            release_global_hooks(post=entered.reporting)
-            tls.reporting -= entered.reporting
+            release_global_hooks(post=reporting)
+            tls.reporting -= reporting
         del tls.frames[tls.frames.index(frame) :]
         del tls.stack[frame.stack_len :]
     policy = frame.policy

@@ -26,7 +26,7 @@ def scale_nested(value: Any, scale_on: ScaleOn) -> Any:
     """``value`` with every tensor multiplied by ``scale_on(tensor.device)``.
 
     Raises:
-        ConfigError: a leaf is not a tensor, or a mapping cannot be rebuilt.
+        ConfigError: a leaf is not a tensor, or a container cannot be rebuilt (its type named).
 
     Host sync: none.
     """
