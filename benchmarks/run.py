@@ -275,7 +275,15 @@ def training_row(sizes: Sizes, device: torch.device) -> Row:
         cls = {"mixprec": mixprec.GradScaler, "torch": torch.amp.GradScaler}.get(key)
         scaler = None if cls is None else cls(device.type)
         variants[key] = _training_variant(model, opt, scaler, x)
-    return measure(f"train step: scaler step+update (MLP {width}x{depth})", variants, sizes, device)
+    # A round is a few milliseconds and the differences are a few percent: many more rounds.
+    rounds = dataclasses.replace(sizes, repeat=sizes.repeat * TRAINING_ROUNDS)
+    return measure(
+        f"train step: scaler step+update (MLP {width}x{depth})", variants, rounds, device
+    )
+
+
+#: The training row runs this many times the rounds of the others.
+TRAINING_ROUNDS = 40
 
 
 def _training_variant(
@@ -334,7 +342,8 @@ def header(device: torch.device, sizes: Sizes) -> str:
     return (
         f"mixprec {mixprec.__version__} | torch {torch.__version__} | python "
         f"{platform.python_version()} | device {device} ({where or platform.machine()}) | "
-        f"threads {torch.get_num_threads()} | {sizes.repeat} rounds, medians{load}"
+        f"threads {torch.get_num_threads()} | {sizes.repeat} rounds "
+        f"({sizes.repeat * TRAINING_ROUNDS} for the train step), medians{load}"
     )
 
 

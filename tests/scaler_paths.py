@@ -30,8 +30,15 @@ SCALER_COLUMNS = (
 )
 
 
-def _host_shortcut(*args: Any, **kwargs: Any) -> None:
-    raise AssertionError("the host rule ran on the device path (host_memory should be False)")
+def _device_rule_only(advance: Any) -> Any:
+    def checked(self: state.ScaleState, *args: Any, **kwargs: Any) -> Any:
+        if self._host_memory:  # the host rule would run: the test would not test the device path
+            raise AssertionError(
+                "the host rule ran on the device path (host_memory should be False)"
+            )
+        return advance(self, *args, **kwargs)
+
+    return checked
 
 
 @contextmanager
@@ -39,11 +46,11 @@ def device_path() -> Iterator[None]:
     """Inside the block, scalers created on the CPU take the path a CUDA user takes."""
     cpu, cuda = devices._TABLE["cpu"], devices._TABLE["cuda"]
     like_cuda = dataclasses.replace(cpu, **{c: getattr(cuda, c) for c in SCALER_COLUMNS})
-    saved = state.write_advance_
+    saved = state.ScaleState.advance
     devices._TABLE["cpu"] = like_cuda
-    state.write_advance_ = _host_shortcut  # type: ignore[assignment]
+    state.ScaleState.advance = _device_rule_only(saved)  # type: ignore[method-assign]
     try:
         yield
     finally:
         devices._TABLE["cpu"] = cpu
-        state.write_advance_ = saved
+        state.ScaleState.advance = saved  # type: ignore[method-assign]

@@ -1,14 +1,19 @@
 """The update rule: against torch's kernel, against a tiny reference, and scripted trajectories.
 
-The rule is written once (``rule.next_scale``) and run on Python numbers (the host view) and on
-device tensors (the general device form); torch's ``_amp_update_scale_`` is the third form the
-device path uses with torch's settings. All three are held to the same reference here.
+The rule is written once (``rule.next_scale``) and run on Python numbers (the host view, compiled
+by ``rule.host_rule``) and on device tensors (the general device form); torch's
+``_amp_update_scale_`` is the third form the device path uses with torch's settings. All three
+are held to the same reference here, and the compiled host form to the rule run primitive by
+primitive on Python numbers.
 """
 
 from __future__ import annotations
 
 import math
+import operator
+from typing import Any
 
+import pytest
 import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
@@ -17,10 +22,13 @@ from mixprec import ScalerConfig
 from mixprec._src.scaling.config import FP32_TINY, to_f32
 from mixprec._src.scaling.rule import (
     DEVICE,
+    Ops,
     Tensors,
     Values,
+    _advance,
     advance_tensors_,
     advance_values,
+    host_rule,
     next_scale,
 )
 
@@ -190,3 +198,85 @@ def test_lowering_the_growth_interval_caps_the_tracker() -> None:
     scaler.step(opt)
     scaler.update()
     assert scaler.get_scale() == 8.0
+
+
+# The primitives on Python numbers, called one by one: what the compiled host rule must equal.
+INTERPRETED = Ops(
+    where=lambda c, a, b: a if c else b,
+    both=operator.and_,
+    either=operator.or_,
+    negate=operator.not_,
+    at_least=operator.ge,
+    minimum=min,
+    maximum=max,
+    isfinite=math.isfinite,
+    wide=float,
+    f32=to_f32,
+)
+
+
+@settings(max_examples=150, deadline=None)
+@given(
+    scale=scales,
+    growth=factors,
+    backoff=backoffs,
+    interval=st.sampled_from([1, 2, 3, 2**31 - 1, 2**40]),
+    hysteresis=st.integers(1, 3),
+    bounds=st.tuples(st.sampled_from([None, 1.0, 2.0**-10]), st.sampled_from([None, 2.0**20])),
+    start=st.tuples(st.sampled_from([0, 1, 2**31 - 2, 2**31 - 1]), st.integers(0, 3)),
+    sequence=st.lists(st.booleans(), min_size=1, max_size=16),
+)
+def test_compiled_host_rule_equals_the_rule_run_primitive_by_primitive(
+    scale: float,
+    growth: float,
+    backoff: float,
+    interval: int,
+    hysteresis: int,
+    bounds: tuple[float | None, float | None],
+    start: tuple[int, int],
+    sequence: list[bool],
+) -> None:
+    low, high = bounds
+    scale = min(max(scale, low or 0.0), high or math.inf)
+    cfg = ScalerConfig(
+        init_scale=scale,
+        growth_factor=growth,
+        backoff_factor=backoff,
+        growth_interval=interval,
+        hysteresis=hysteresis,
+        min_scale=low,
+        max_scale=high,
+    )
+    compiled = host_rule(cfg)
+    values = interpreted = Values(scale, start[0], start[1], (5, 1, 2, 3))
+    for overflow in sequence:
+        values = compiled(values, overflow)
+        interpreted = _advance(interpreted, overflow, cfg, INTERPRETED)
+        assert values == interpreted
+        assert [type(v) for v in values[:3]] == [float, int, int]
+    assert host_rule(cfg) is compiled  # compiled once per configuration
+
+
+def test_the_compiled_rule_shows_its_source() -> None:
+    source: str = host_rule(ScalerConfig(growth_interval=7)).source  # type: ignore[attr-defined]
+    assert " >= 7\n" in source  # numbers appear as literals
+    assert "to_f32" in source and "def advance(values, overflow):" in source
+
+
+def test_a_branch_on_a_traced_value_is_refused() -> None:
+    """A Python ``if`` on a traced value would bake one outcome into the compiled rule."""
+
+    def branching(scale: Any, tracker: Any, streak: Any, overflow: Any, *rest: Any) -> Any:
+        if overflow:
+            return scale, tracker, streak
+        return scale, tracker, streak
+
+    from mixprec._src.scaling import rule
+
+    saved = rule.next_scale
+    rule.next_scale = branching  # type: ignore[assignment]
+    try:
+        with pytest.raises(TypeError, match=r"ops\.where"):
+            host_rule.__wrapped__(ScalerConfig(growth_interval=11))
+    finally:
+        rule.next_scale = saved

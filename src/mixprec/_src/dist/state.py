@@ -123,6 +123,9 @@ class DistState:
 
         Host sync: none.
         """
+        if plan.plain and self.group is None and self.join_group is None:
+            if not plan.low_precision:  # the common case, in one call
+                return plan, None, False
         plan, flags, _ = self.prepare_clip(plan, norms=False)
         return plan, flags, flags is not None
 

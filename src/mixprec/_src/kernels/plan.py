@@ -55,6 +55,8 @@ class GradPlan:
         missing: parameters without a grad.
         flat: for the dense groups whose grads tile contiguous ranges of shared buffers, 1-D
             views of those ranges (one per buffer).
+        plain: every grad is known to be a plain ``torch.Tensor`` (no subclass, so no DTensor):
+            no distributed agreement is needed unless a process group says so.
     """
 
     dense: dict[GroupKey, list[torch.Tensor]] = field(default_factory=dict)
@@ -62,11 +64,14 @@ class GradPlan:
     low_precision: list[ParamRef] = field(default_factory=list)
     missing: list[ParamRef] = field(default_factory=list)
     flat: dict[GroupKey, list[torch.Tensor]] = field(default_factory=dict)
+    plain: bool = False
     _kernel_groups: dict[GroupKey, list[torch.Tensor]] | None = field(default=None, repr=False)
 
     def kernel_groups(self) -> dict[GroupKey, list[torch.Tensor]]:
         """The dense groups as the kernels should get them: flat ranges where there are some
         (cut into pieces on the CPU, see :func:`mixprec._src.kernels.flat.kernel_pieces`)."""
+        if not self.flat:
+            return self.dense
         if self._kernel_groups is None:
             self._kernel_groups = {
                 key: kernel_pieces(self.flat[key]) if key in self.flat else grads
@@ -138,7 +143,7 @@ def plan_grads(optimizer: torch.optim.Optimizer) -> GradPlan:
     if torch.compiler.is_compiling():  # the cache and the flat views read storage addresses,
         return _build_plan_slow(optimizer)  # which dynamo cannot trace: plain per-group plan
     grads = _current_grads(optimizer)
-    cached = _CACHE.get(optimizer) if _CACHE else None
+    cached = _CACHE.get(id(optimizer)) if _CACHE else None
     if cached is not None and grads is not None and cached.matches(grads):
         return cached.plan
     plan = _build_plan(optimizer, grads)
@@ -147,10 +152,10 @@ def plan_grads(optimizer: torch.optim.Optimizer) -> GradPlan:
         views = None if group[0]._base is None else flat_views(group)
         if views is not None:
             plan.flat[key] = views
-    if grads is not None and _cacheable(plan):  # no grad is None then
-        _CACHE[optimizer] = _CachedPlan(cast("list[torch.Tensor]", grads), plan)
+    if grads is not None and plan.flat and _cacheable(plan):  # no grad is None then
+        _CACHE[id(optimizer)] = _CachedPlan(optimizer, cast("list[torch.Tensor]", grads), plan)
     elif cached is not None:
-        del _CACHE[optimizer]
+        del _CACHE[id(optimizer)]
     return plan
 
 
@@ -162,13 +167,18 @@ def clear_plan_cache(optimizer: torch.optim.Optimizer | None = None) -> None:
     if optimizer is None:
         _CACHE.clear()
     else:
-        _CACHE.pop(optimizer, None)
+        _CACHE.pop(id(optimizer), None)
 
 
 class _CachedPlan:
-    """A plan whose every group is flat, with the key that says it still applies."""
+    """A plan whose every group is flat, with the key that says it still applies; the entry
+    goes when its optimizer does (a weak reference's callback)."""
 
-    def __init__(self, grads: list[torch.Tensor], plan: GradPlan) -> None:
+    def __init__(
+        self, optimizer: torch.optim.Optimizer, grads: list[torch.Tensor], plan: GradPlan
+    ) -> None:
+        key = id(optimizer)  # (the callback must not hold the entry: that would be a cycle)
+        self.optimizer = weakref.ref(optimizer, lambda _: _CACHE.pop(key, None))
         self.grads = grads
         self.ptrs = list(map(torch.Tensor.data_ptr, grads))
         self.numels = list(map(torch.Tensor.numel, grads))
@@ -185,7 +195,9 @@ class _CachedPlan:
         )
 
 
-_CACHE: weakref.WeakKeyDictionary[torch.optim.Optimizer, _CachedPlan] = weakref.WeakKeyDictionary()
+# Keyed by id (a plain dict: no Python-level lookup). An entry goes when its optimizer does, so
+# an id is never reused while its entry is here.
+_CACHE: dict[int, _CachedPlan] = {}
 
 
 def _cacheable(plan: GradPlan) -> bool:
@@ -199,13 +211,18 @@ def _cacheable(plan: GradPlan) -> bool:
 
 def _current_grads(optimizer: torch.optim.Optimizer) -> list[torch.Tensor | None] | None:
     """Every param's grad, in order; None when a ``params`` entry is not a tensor."""
-    params = itertools.chain.from_iterable(group["params"] for group in optimizer.param_groups)
+    groups = optimizer.param_groups
+    if len(groups) == 1:
+        params = groups[0]["params"]
+    else:
+        params = itertools.chain.from_iterable(group["params"] for group in groups)
     try:
         return list(map(_GRAD, params))
     except AttributeError:
         return None
 
 
+_PLAIN = {torch.Tensor}
 _GRAD = operator.attrgetter("grad")
 _IS_SPARSE = operator.attrgetter("is_sparse")
 _IS_CPU = operator.attrgetter("is_cpu")
@@ -229,7 +246,7 @@ def _build_plan(optimizer: torch.optim.Optimizer, grads: list | None) -> GradPla
             one_device = all(map(_IS_CPU, grads)) or len(set(map(_DEVICE, grads))) == 1
             if one_device:
                 key = (grads[0].device, dtypes.pop())
-                plan = GradPlan(dense={key: grads})
+                plan = GradPlan(dense={key: grads}, plain=set(map(type, grads)) == _PLAIN)
                 if key[1] == torch.float16:
                     plan.low_precision = list(iter_params(optimizer))
                 return plan

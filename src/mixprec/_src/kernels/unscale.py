@@ -66,7 +66,7 @@ def unscale_grads_(
 
     Host sync: none.
     """
-    groups = _gather(plan, coalesce_fp16=True)
+    groups = _gather(plan, coalesce_fp16=True) if plan.sparse else plan.kernel_groups()
     if _tracked(groups):  # grads with a graph (create_graph=True): do not record the unscale
         with torch.no_grad():
             _unscale_groups_(groups, inv_scale, found_inf_per_device, check_output)
@@ -82,7 +82,12 @@ def _tracked(groups: dict[tuple[torch.device, torch.dtype], list[torch.Tensor]])
     torch.compile, which traces torch.no_grad() for free)."""
     if torch.compiler.is_compiling():
         return True
-    return torch.is_grad_enabled() and any(any(map(_REQUIRES_GRAD, g)) for g in groups.values())
+    if not torch.is_grad_enabled():
+        return False
+    if len(groups) == 1:
+        (grads,) = groups.values()
+        return any(map(_REQUIRES_GRAD, grads))
+    return any(any(map(_REQUIRES_GRAD, g)) for g in groups.values())
 
 
 def _unscale_groups_(

@@ -76,8 +76,13 @@ class Engine:
 
     # ------------------------------------------------------------------ passes
 
-    def unscale(self, optimizer: _Optimizer, record: OptimizerRecord) -> GradPlan:
+    def unscale(
+        self, optimizer: _Optimizer, record: OptimizerRecord, for_step: bool = False
+    ) -> GradPlan:
         """Unscale and check the optimizer's grads in place; the record becomes UNSCALED.
+
+        ``for_step``: ``step``'s implicit unscale. Without any grad nothing was done then, and
+        the optimizer stays READY, so that a retry after ``backward()`` unscales.
 
         Raises:
             LowPrecisionGradError: some gradients are fp16 (names them; nothing is changed).
@@ -96,6 +101,8 @@ class Engine:
         if agree:  # one all-reduce per optimizer per iteration (mixprec._src.dist)
             self.dist.agree_(record.found_inf_per_device, group, self.state.inv_scale().device)
         self.phases.mark_unscaled(record, optimizer, plan.missing)
+        if for_step and not record.found_inf_per_device:
+            self.phases.reopen(record)
         return plan
 
     def check(self, optimizer: _Optimizer, record: OptimizerRecord) -> None:
@@ -114,8 +121,12 @@ class Engine:
 
         Host sync: none.
         """
-        self.phases.require_checked(record, optimizer)
-        return sum_on(list(record.found_inf_per_device.values()), self.require_scale("step").device)
+        flags = record.found_inf_per_device
+        if not flags:
+            self.phases.require_checked(record, optimizer)  # raises
+        scale = self.state.scale
+        assert scale is not None  # (flags exist only once scale() created the scale)
+        return sum_on(list(flags.values()), scale.device)
 
     def overflowed(self, record: OptimizerRecord, optimizer: _Optimizer) -> bool:
         """Whether the record's grads overflowed. Host sync: one."""
@@ -138,7 +149,7 @@ class Engine:
     ) -> Any:
         """Unscale if needed, read the flag (one host sync) and step unless it overflowed."""
         if record.stage is OptState.READY:
-            self.unscale_for_step(optimizer, record)
+            self.unscale(optimizer, record, for_step=True)
         elif record.deferred is not None:
             self.apply_deferred(optimizer, record)
         found_inf = self.found_inf(record, optimizer)
@@ -146,13 +157,6 @@ class Engine:
         skipped = bool(found_inf.item() != 0)
         self.phases.mark_stepped(record, optimizer, skipped)  # before: a retry is refused
         return None if skipped else optimizer.step(*args, **kwargs)
-
-    def unscale_for_step(self, optimizer: _Optimizer, record: OptimizerRecord) -> None:
-        """``step``'s implicit unscale. Without any grad nothing was done: the optimizer stays
-        READY, so that a retry after ``backward()`` unscales. Host sync: none."""
-        self.unscale(optimizer, record)
-        if not record.found_inf_per_device:
-            self.phases.reopen(record)
 
     def step_fused(
         self, optimizer: _Optimizer, record: OptimizerRecord, args: tuple, kwargs: dict
@@ -163,7 +167,7 @@ class Engine:
         :func:`mixprec._src.optim.needs_first_step_read`).
         """
         if record.stage is OptState.READY and self.state.may_be_below_one:
-            self.unscale_for_step(optimizer, record)  # the kernel's division could overflow
+            self.unscale(optimizer, record, for_step=True)  # the kernel's division could overflow
         if record.stage is OptState.READY:
             self.check(optimizer, record)
         found_inf = self.found_inf(record, optimizer)

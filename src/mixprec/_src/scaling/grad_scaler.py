@@ -194,31 +194,31 @@ class GradScaler:
         if new_scale is not None and hasattr(new_scale, "param_groups"):
             self._phases.require_touched(new_scale)
             new_scale = None
-        scale = self._engine.require_scale("update")
+        scale = self._state.scale
+        if scale is None:
+            scale = self._engine.require_scale("update")
         config = self._settings.config
         if new_scale is not None:  # a bad value raises before the iteration ends (as torch)
             value = validated_new_scale(new_scale, scale.device, config)
         try:
             if new_scale is not None:
                 self._state.set_scale(value)
-            else:
-                self._apply_rule(config, scale)
+                return
+            flags, overflow = self._phases.outcome()
+            total = sum_on(flags, scale.device)
+            telemetry, state = self._telemetry, self._state
+            keep = telemetry.history.capacity > 0
+            used, iteration, values = state.advance(
+                total, overflow, config, keep, telemetry.wants_events
+            )
+            limit = config.max_consecutive_skips
+            if values is None and limit is not None:
+                values = state.values()  # the limit must be checked now: read the device
+            telemetry.after_update(
+                self, iteration, scale, used, total, values, limit, self._phases.stepped
+            )
         finally:
             self._end_iteration()
-
-    def _apply_rule(self, config: ScalerConfig, scale: torch.Tensor) -> None:
-        flags, overflow = self._phases.outcome()
-        total = sum_on(flags, scale.device)
-        telemetry = self._telemetry
-        used = self._state.advance(total, overflow, config, keep=telemetry.history.capacity > 0)
-        iteration = self._state.count_iteration(needed=telemetry.wants_events)
-        telemetry.after_update(self, iteration, scale, used, total)
-        limit = config.max_consecutive_skips
-        values = self._state.host_view
-        if values is None and limit is not None:
-            values = self._state.values()  # the limit must be checked now: read the device
-        if values is not None:
-            telemetry.watch(values.scale, values.overflow_streak, limit, self._phases.stepped)
 
     def reset_iteration(self) -> None:
         """Abandon the current iteration after an exception: every optimizer is READY again.

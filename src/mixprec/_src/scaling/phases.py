@@ -126,9 +126,12 @@ class PhaseTable:
 
     def begin_step(self, optimizer: object) -> OptimizerRecord:
         """The record, after checking that ``step`` is allowed now."""
-        _check_optimizer(optimizer, "step")
-        record = self.get(optimizer)
-        if record.stage is OptState.STEPPED:
+        if not hasattr(optimizer, "param_groups"):
+            _check_optimizer(optimizer, "step")
+        record = self._records.get(id(optimizer))
+        if record is None:  # (written out: step runs when the interpreter's caches are cold)
+            record = self._records[id(optimizer)] = OptimizerRecord()
+        elif record.stage is OptState.STEPPED:
             raise ScalerStateError(
                 "step() has already been called on this optimizer since the last update(). "
                 "Call scaler.update() once at the end of every iteration, after stepping every "
@@ -153,7 +156,8 @@ class PhaseTable:
         """The grads were unscaled (``unscale_``, a clip), or checked with a deferred clip."""
         record.stage = OptState.UNSCALED
         record.deferred = deferred
-        self.mark_checked(record, optimizer, missing)
+        record.missing = missing
+        record.optimizer = weakref.ref(optimizer)
 
     def mark_stepped(
         self, record: OptimizerRecord, optimizer: torch.optim.Optimizer, skipped: bool | None

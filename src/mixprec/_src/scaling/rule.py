@@ -1,10 +1,14 @@
 """The scale update rule, written once, for Python numbers and for device tensors alike.
 
 :func:`next_scale` is the rule. It is written against a handful of primitive operations
-(:class:`Ops`): :data:`HOST` implements them on Python numbers, :data:`DEVICE` on 0-d tensors.
-The host mirror is therefore the device rule itself, run on other values: exact by construction,
-as long as the primitives agree (a product in float64 rounded once to float32, ``isfinite``,
-``where``, ``min``/``max``), which the property tests check.
+(:class:`Ops`): :data:`DEVICE` implements them on 0-d tensors; on Python numbers the rule is
+*compiled* (:func:`host_rule`): traced once per :class:`~mixprec.ScalerConfig` with symbolic
+values, each primitive written as the Python expression it is on numbers (``where`` as ``a if c
+else b``, ``both`` as ``a & b``, products in float64 rounded once by ``to_f32``), into one flat
+function. The host view is therefore the device rule itself, run on other values: exact by
+construction, as long as the primitives agree, which the property tests check. Compiling matters
+because the host rule runs right after the optimizer step, when the interpreter's caches are
+cold: there every distinct function called costs microseconds, and the compiled rule is one.
 
 On a device with torch's ``_amp_update_scale_`` kernel and with torch's settings (hysteresis 1, no
 ``max_scale``), :func:`advance_tensors_` runs that kernel instead of the dozen small kernels of the
@@ -16,12 +20,13 @@ skipped silently.
 
 from __future__ import annotations
 
+import functools
 import math
 import operator
 import struct
 from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Any, NamedTuple
+from typing import Any, NamedTuple, cast
 
 import torch
 
@@ -90,9 +95,8 @@ class Tensors:
 class Ops(NamedTuple):
     """The primitives the rule is written with.
 
-    :data:`HOST` implements them on Python numbers, mostly with C builtins (``min``,
-    ``operator.ge``, ``math.isfinite``: cheap even when the interpreter's caches are cold after
-    a backward pass); :data:`DEVICE` on 0-d tensors, without reading anything back.
+    :data:`DEVICE` implements them on 0-d tensors, without reading anything back;
+    :func:`host_rule` writes them as Python expressions on numbers.
     """
 
     where: Callable[[Any, Any, Any], Any]
@@ -107,28 +111,10 @@ class Ops(NamedTuple):
     f32: Callable[[Any], Any]  # round to float32
 
 
-def _choose(cond: Any, a: Any, b: Any) -> Any:
-    return a if cond else b
-
-
 def _tensor_at_least(count: torch.Tensor, bound: int) -> torch.Tensor:
     if bound > INT32_MAX:  # an int32 count never gets there (and the scalar would wrap)
         return torch.zeros_like(count, dtype=torch.bool)
     return count >= bound
-
-
-HOST = Ops(
-    where=_choose,
-    both=operator.and_,
-    either=operator.or_,
-    negate=operator.not_,
-    at_least=operator.ge,
-    minimum=min,
-    maximum=max,
-    isfinite=math.isfinite,
-    wide=float,
-    f32=to_f32,
-)
 
 
 def _tensor_where(cond: torch.Tensor, a: Any, b: Any) -> torch.Tensor:
@@ -190,24 +176,141 @@ def _count_up(count: Any, ops: Ops) -> Any:
     return ops.where(ops.at_least(count, INT32_MAX), count, count + 1)
 
 
-def advance_values(values: Values, overflow: bool, config: ScalerConfig) -> Values:
-    """:func:`next_scale` on Python numbers, with the counters. Host sync: none."""
+def _advance(values: Values, overflow: Any, config: ScalerConfig, ops: Ops) -> Values:
+    """:func:`next_scale` with the counters: one whole update of the host view."""
     old = values.scale
     scale, tracker, streak = next_scale(
-        old, values.growth_tracker, values.overflow_streak, overflow, config, HOST
+        old, values.growth_tracker, values.overflow_streak, overflow, config, ops
     )
     it, overflows, growths, backoffs = values.counters
     counters = (it + 1, overflows + overflow, growths + (scale > old), backoffs + (scale < old))
     return Values(scale, tracker, streak, counters)
 
 
-def write_advance_(scale: torch.Tensor, before: Values, after: Values) -> None:
-    """Store the scale of an update computed by :func:`advance_values` (host path).
+def advance_values(values: Values, overflow: bool, config: ScalerConfig) -> Values:
+    """One update of ``values`` on the host (:func:`host_rule` for ``config``). Host sync: none."""
+    return host_rule(config)(values, overflow)
 
-    Host sync: none (meant for tensors in host memory).
+
+HostRule = Callable[[Values, bool], Values]
+
+
+@functools.lru_cache(maxsize=64)
+def host_rule(config: ScalerConfig) -> HostRule:
+    """The rule and the counters for ``config``, compiled into one flat function of
+    ``(values, overflow)`` on Python numbers; ``overflow`` is a bool.
+
+    :func:`next_scale` is run once on symbolic values (:class:`_Traced`); each primitive and
+    operator it applies becomes one line of the function (its ``source`` attribute). A branch on
+    a traced value would bake one outcome into the function, so it raises instead.
+
+    Host sync: none.
     """
-    if after.scale != before.scale:
-        scale.fill_(after.scale)
+    trace = _Trace()
+    inputs = [_Traced(name, trace) for name in _INPUTS]
+    *state, flag = inputs
+    before = Values._make([*state[:3], tuple(state[3:])])
+    after = _advance(before, flag, config, _traced_ops(trace))
+    result = ", ".join(map(trace.name, after[:3]))
+    counters = ", ".join(map(trace.name, after.counters))
+    make, cls = trace.name(tuple.__new__), trace.name(Values)
+    lines = [
+        f"def build({', '.join(trace.constants)}):",
+        "    def advance(values, overflow):",
+        f"        {', '.join(_INPUTS[:3])}, ({', '.join(_INPUTS[3:7])}) = values",
+        *(f"        {line}" for line in trace.lines),
+        f"        return {make}({cls}, ({result}, ({counters})))",
+        "    return advance",
+    ]
+    source = "\n".join(lines) + "\n"
+    namespace: dict[str, Any] = {}
+    exec(compile(source, "<mixprec host rule>", "exec"), namespace)  # our own trace only
+    advance = namespace["build"](**trace.constants)
+    advance.source = source
+    return cast("HostRule", advance)
+
+
+_INPUTS = (
+    *("scale", "tracker", "streak", "iterations", "overflows", "growths", "backoffs"),
+    "overflow",
+)
+
+
+class _Trace:
+    """The lines of a rule being compiled and the objects they use (passed in by name)."""
+
+    def __init__(self) -> None:
+        self.lines: list[str] = []
+        self.constants: dict[str, Any] = {}
+
+    def name(self, value: Any) -> str:
+        """The name of a traced value; a number as its literal (``repr`` round-trips exactly);
+        anything else as a new constant named after it."""
+        if isinstance(value, _Traced):
+            return value.name
+        if type(value) in (int, bool) or (type(value) is float and math.isfinite(value)):
+            return repr(value)
+        key = f"{getattr(value, '__name__', 'constant').strip('_')}_{len(self.constants)}"
+        self.constants[key] = value
+        return key
+
+    def line(self, template: str, *args: Any) -> _Traced:
+        """A new local ``v<n> = <template filled with the names of args>``."""
+        out = _Traced(f"v{len(self.lines)}", self)
+        self.lines.append(f"{out.name} = " + template.format(*map(self.name, args)))
+        return out
+
+
+class _Traced:
+    """A value in a rule being compiled: the name of a local of the generated function."""
+
+    __slots__ = ("name", "trace")
+
+    def __init__(self, name: str, trace: _Trace) -> None:
+        self.name = name
+        self.trace = trace
+
+    def __add__(self, other: Any) -> _Traced:
+        return self.trace.line("{} + {}", self, other)
+
+    def __radd__(self, other: Any) -> _Traced:
+        return self.trace.line("{} + {}", other, self)
+
+    def __mul__(self, other: Any) -> _Traced:
+        return self.trace.line("{} * {}", self, other)
+
+    def __rmul__(self, other: Any) -> _Traced:
+        return self.trace.line("{} * {}", other, self)
+
+    def __gt__(self, other: Any) -> _Traced:
+        return self.trace.line("{} > {}", self, other)
+
+    def __lt__(self, other: Any) -> _Traced:
+        return self.trace.line("{} < {}", self, other)
+
+    def __bool__(self) -> bool:
+        raise TypeError(
+            f"the rule branched on the traced value {self.name}: write the choice with "
+            "ops.where so that both the device and the host form take it"
+        )
+
+
+def _traced_ops(trace: _Trace) -> Ops:
+    """The primitives as the Python expressions they are on numbers (``min(a, b)`` is ``a``
+    unless ``b < a``; ``max`` likewise), each applied to the names of its operands."""
+    line = trace.line
+    return Ops(
+        where=lambda c, a, b: line("{1} if {0} else {2}", c, a, b),
+        both=lambda a, b: line("{} & {}", a, b),
+        either=lambda a, b: line("{} | {}", a, b),
+        negate=lambda a: line("not {}", a),
+        at_least=lambda count, bound: line("{} >= {}", count, bound),
+        minimum=lambda x, high: line("{1} if {1} < {0} else {0}", x, high),
+        maximum=lambda x, low: line("{1} if {1} > {0} else {0}", x, low),
+        isfinite=lambda x: line("{}({})", math.isfinite, x),
+        wide=lambda x: line("{}({})", float, x),
+        f32=lambda x: line("{}({})", to_f32, x),
+    )
 
 
 def advance_tensors_(

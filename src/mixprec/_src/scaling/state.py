@@ -11,43 +11,35 @@ Before the first ``scale()`` the values are Python numbers. ``scale()`` creates 
 device of its first output (:meth:`ScaleState.materialize`); from then on the tensors are the
 truth and the host keeps a *view*:
 
-* where tensors live in host memory (the CPU, see :mod:`mixprec._src.devices`), the rule runs on
-  the host view (:func:`~mixprec._src.scaling.rule.advance_values`): the view is always exact.
-  The scale tensor is written when the scale changes; the tracker, streak and counters tensors
-  only when something asks for them (:attr:`ScaleState.tensors`), which saves four tensor
-  operations per iteration;
-* elsewhere the rule runs on the device (:func:`~mixprec._src.scaling.rule.advance_tensors_`),
-  and the view follows it with the same rule whenever the host learns the iteration's outcome
-  (a non-fused ``step`` reads it anyway). When it cannot (fused optimizers), the view is dropped
-  and only a lower bound on the scale is kept, until something reads the tensors again
+* whenever the host knows the iteration's outcome, the rule runs on the host view (compiled for
+  Python numbers, :func:`~mixprec._src.scaling.rule.host_rule`) and the view stays exact: always
+  where tensors live in host memory (the CPU, see :mod:`mixprec._src.devices`: the flag is read
+  from host memory for free), and on every device after a non-fused ``step``, which reads the
+  flag anyway. The scale tensor is written when the scale changes (one ``fill_``, no sync); the
+  tracker, streak and counters tensors only when something asks for them
+  (:attr:`ScaleState.tensors`). A CUDA iteration with a non-fused optimizer therefore launches no
+  kernel in ``update()`` unless the scale changes;
+* otherwise (fused optimizers off the CPU, where nothing has read the flag) the rule runs on the
+  device (:func:`~mixprec._src.scaling.rule.advance_tensors_`), the view is dropped and only a
+  lower bound on the scale is kept, until something reads the tensors again
   (:meth:`ScaleState.values`). Reading gives the exact values, so it never changes the
   trajectory.
 """
 
 from __future__ import annotations
 
-import math
+from collections.abc import Callable
 from typing import Any
 
 import torch
 
 from mixprec._src.devices import caps
 from mixprec._src.scaling.config import ScalerConfig, to_f32
-from mixprec._src.scaling.rule import (
-    Tensors,
-    Values,
-    advance_tensors_,
-    advance_values,
-    write_advance_,
-)
+from mixprec._src.scaling.rule import HostRule, Tensors, Values, advance_tensors_, host_rule
 from mixprec.errors import ConfigError
 
 # Backoff products are rounded to float32; shrinking the bound a little more keeps it a bound.
 _ROUNDING_MARGIN = 1.0 - 2.0**-20
-
-
-def _compiling() -> bool:
-    return torch.compiler.is_compiling()
 
 
 class ScaleState:
@@ -66,6 +58,7 @@ class ScaleState:
         self._iterations: int | None = values.counters[0]
         self._inv: torch.Tensor | None = None
         self._copies: dict[torch.device, torch.Tensor] = {}
+        self._rule: tuple[ScalerConfig | None, HostRule | None] = (None, None)  # the last config's
 
     # ------------------------------------------------------------------ creating, reading
 
@@ -169,50 +162,68 @@ class ScaleState:
     # ------------------------------------------------------------------ the three writers
 
     def advance(
-        self, found_inf: torch.Tensor, overflow: bool | None, config: ScalerConfig, keep: bool
-    ) -> torch.Tensor:
-        """Apply the rule for one iteration; return the scale used during it.
+        self,
+        found_inf: torch.Tensor,
+        overflow: bool | None,
+        config: ScalerConfig,
+        keep: bool,
+        needed: Callable[[], bool],
+    ) -> tuple[torch.Tensor, int, Values | None]:
+        """Apply the rule for one iteration and count it.
 
         Args:
             found_inf: the iteration's combined overflow flag on the scale's device.
             overflow: the outcome, when the host already knows it (else None).
             config: the rule's settings.
             keep: return a copy of the old scale (for history) rather than the live tensor.
+            needed: whether the iteration's number is needed (see :meth:`_count`).
+
+        Returns:
+            ``(the scale used during the iteration, the number of the update, the values after
+            it if the host knows them without a read)``.
 
         Host sync: none (on the host path the flag is read from host memory).
         """
+        compiling = torch.compiler.is_compiling()
         before = self._host
-        if self._host_memory and before is not None and not _compiling():
-            if overflow is None:
+        if before is not None and not compiling and (overflow is not None or self._host_memory):
+            if overflow is None:  # in host memory: reading the flag costs no sync
                 overflow = bool(found_inf.item() != 0)
-            scale = self.scale
-            assert scale is not None
-            used = scale.clone() if keep else scale
-            after = advance_values(before, overflow, config)
-            write_advance_(scale, before, after)
+            tensors = self._tensors
+            assert tensors is not None
+            used = tensors.scale.clone() if keep else tensors.scale
+            rule_config, rule = self._rule
+            if rule_config is not config or rule is None:
+                rule = host_rule(config)
+                self._rule = (config, rule)
+            after = rule(before, overflow)
+            changed = after.scale != before.scale
+            if changed:
+                tensors.scale.fill_(after.scale)
             self._behind = True
-            self._known(after, changed=after.scale != before.scale)
-            return used
-        tensors = self.tensors
-        assert tensors is not None
-        # The floor clamp is needed only when one backoff could take the scale near it.
-        near_floor = self._bound * config.backoff_factor < 4 * config.floor
-        used = advance_tensors_(tensors, found_inf, config, clamp=near_floor)
-        self._follow(overflow, config)
-        return used
+            self._known(after, changed)
+            self._iterations = after.counters[0]  # (the host view counts the iterations too)
+            return used, self._iterations, after
+        else:
+            tensors = self.tensors
+            assert tensors is not None
+            # The floor clamp is needed only when one backoff could take the scale near it.
+            near_floor = self._bound * config.backoff_factor < 4 * config.floor
+            used = advance_tensors_(tensors, found_inf, config, clamp=near_floor)
+            self._follow(config, compiling)
+            return used, self._count(compiling, needed), self._host
 
-    def _follow(self, overflow: bool | None, config: ScalerConfig) -> None:
+    def _follow(self, config: ScalerConfig, compiling: bool) -> None:
         """The host view after a device-side update.
 
         Under ``torch.compile`` the view neither reads the device (``tolist`` would break the
         graph) nor follows the rule on Python numbers (dynamo would guard on their values and
         recompile every iteration): it is dropped, keeping only the floor as a bound, until
-        something outside the compiled region reads the device again.
+        something outside the compiled region reads the device again. Elsewhere it is read where
+        that is free (host memory) and dropped, keeping a bound, where it is not.
         """
-        if _compiling():
+        if compiling:
             self._unknown(config.floor)
-        elif overflow is not None and self._host is not None:
-            self._known(advance_values(self._host, overflow, config), changed=True)
         elif self._host_memory:
             tensors = self.tensors
             assert tensors is not None
@@ -257,17 +268,15 @@ class ScaleState:
 
     # ------------------------------------------------------------------ bookkeeping
 
-    def count_iteration(self, needed: bool) -> int:
+    def _count(self, compiling: bool, needed: Callable[[], bool]) -> int:
         """The number of the update just applied (the counters already count it).
 
         Under ``torch.compile``, reading a Python counter makes dynamo guard on its value, which
-        recompiles every iteration. When nobody needs the number there (``needed`` False: no
+        recompiles every iteration. When nobody needs the number there (``needed()`` False: no
         hook, no history), the host copy is dropped (``-1`` is returned) and re-read from the
-        device counters by the next eager update.
-
-        Host sync: one, on the first eager update after compiled ones.
+        device counters by the next eager update (one host sync).
         """
-        if _compiling() and not needed:
+        if compiling and not needed():
             self._iterations = None
             return -1
         if self._iterations is None:
@@ -279,7 +288,8 @@ class ScaleState:
 
     def _known(self, values: Values, changed: bool) -> None:
         self._host = values
-        self._set_bound(values.scale)
+        self._bound = values.scale
+        self._below_one = not values.scale >= 1.0
         if changed:
             self._changed()
 
@@ -287,12 +297,9 @@ class ScaleState:
         if self._behind:
             self._catch_up()
         self._host = None
-        self._set_bound(bound)
-        self._changed()
-
-    def _set_bound(self, bound: float) -> None:
         self._bound = bound
-        self._below_one = not bound >= 1.0 or math.isnan(bound)
+        self._below_one = not bound >= 1.0  # (NaN too)
+        self._changed()
 
     def _changed(self) -> None:
         """The scale may have changed: drop everything derived from it."""

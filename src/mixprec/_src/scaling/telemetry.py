@@ -152,7 +152,6 @@ class Telemetry:
         self._last_iteration: torch.Tensor | None = None
         self._warned: set[str] = set()
 
-    @property
     def wants_events(self) -> bool:
         """Whether an update must build an event (hooks or history). Host sync: none."""
         return bool(self.hooks) or self.history.capacity > 0
@@ -182,15 +181,29 @@ class Telemetry:
         return None if flag is None else flag != 0
 
     def after_update(
-        self, scaler: Any, iteration: int, scale: torch.Tensor, used: torch.Tensor, total: Any
+        self,
+        scaler: Any,
+        iteration: int,
+        scale: torch.Tensor,
+        used: torch.Tensor,
+        total: Any,
+        values: Values | None,
+        limit: int | None,
+        optimizers: Callable[[], list[torch.optim.Optimizer]],
     ) -> None:
-        """Record the iteration (history) and call the hooks. Host sync: none (hooks may)."""
+        """Record the iteration (history), call the hooks, then :meth:`watch` the values if
+        known. Host sync: none (hooks may; one to name parameters when it warns or raises)."""
         self._last_iteration = total
         if self.hooks or self.history.capacity:
             event = UpdateEvent(iteration, scale, total, total != 0)
             self.history.record(iteration, used, event.skipped)
             for hook in list(self.hooks.values()):
                 hook(scaler, event)
+        if values is None:
+            return
+        scale_now, streak = values.scale, values.overflow_streak
+        if limit is not None or scale_now < 1.0 or streak >= SKIP_WARNING:
+            self.watch(scale_now, streak, limit, optimizers)
 
     def watch(
         self,
