@@ -97,36 +97,31 @@ def test_general_rule_equals_torch_kernel(
         assert ours.growth_tracker.item() == t_tracker.item()
 
 
-@settings(max_examples=150, deadline=None)
-@given(
-    scale=scales,
-    growth=factors,
-    backoff=backoffs,
-    interval=st.integers(1, 4),
-    hysteresis=st.integers(1, 3),
-    bounds=st.tuples(st.sampled_from([None, 1.0, 2.0**-10]), st.sampled_from([None, 2.0**20])),
-    sequence=st.lists(flags, min_size=1, max_size=16),
-)
-def test_device_rule_and_host_mirror_equal_reference(
-    scale: float,
-    growth: float,
-    backoff: float,
-    interval: int,
-    hysteresis: int,
-    bounds: tuple[float | None, float | None],
-    sequence: list[float],
-) -> None:
-    low, high = bounds
-    scale = min(max(scale, low or 0.0), high or math.inf)
-    cfg = ScalerConfig(
-        init_scale=scale,
-        growth_factor=growth,
-        backoff_factor=backoff,
-        growth_interval=interval,
-        hysteresis=hysteresis,
+SHORT_INTERVALS = st.integers(1, 4)
+
+
+@st.composite
+def bounded_configs(draw: Any, intervals: Any = SHORT_INTERVALS) -> ScalerConfig:
+    """Every setting of the rule, with bounds, and a first scale within them."""
+    low = draw(st.sampled_from([None, 1.0, 2.0**-10]))
+    high = draw(st.sampled_from([None, 2.0**20]))
+    return ScalerConfig(
+        init_scale=min(max(draw(scales), low or 0.0), high or math.inf),
+        growth_factor=draw(factors),
+        backoff_factor=draw(backoffs),
+        growth_interval=draw(intervals),
+        hysteresis=draw(st.integers(1, 3)),
         min_scale=low,
         max_scale=high,
     )
+
+
+@settings(max_examples=150, deadline=None)
+@given(cfg=bounded_configs(), sequence=st.lists(flags, min_size=1, max_size=16))
+def test_device_rule_and_host_mirror_equal_reference(
+    cfg: ScalerConfig, sequence: list[float]
+) -> None:
+    scale, low, high = cfg.init_scale, cfg.min_scale, cfg.max_scale
     state = Tensors.create(Values(scale), CPU)
     host = Values(scale)
     expected = (scale, 0, 0)
@@ -142,8 +137,8 @@ def test_device_rule_and_host_mirror_equal_reference(
         # powers of two stay exact powers of two with power-of-two factors
         if (
             math.log2(scale).is_integer()
-            and math.log2(growth).is_integer()
-            and math.log2(backoff).is_integer()
+            and math.log2(cfg.growth_factor).is_integer()
+            and math.log2(cfg.backoff_factor).is_integer()
         ):
             assert math.log2(got[0]).is_integer()
 
@@ -217,38 +212,15 @@ INTERPRETED = Ops(
 
 @settings(max_examples=150, deadline=None)
 @given(
-    scale=scales,
-    growth=factors,
-    backoff=backoffs,
-    interval=st.sampled_from([1, 2, 3, 2**31 - 1, 2**40]),
-    hysteresis=st.integers(1, 3),
-    bounds=st.tuples(st.sampled_from([None, 1.0, 2.0**-10]), st.sampled_from([None, 2.0**20])),
+    cfg=bounded_configs(intervals=st.sampled_from([1, 2, 3, 2**31 - 1, 2**40])),
     start=st.tuples(st.sampled_from([0, 1, 2**31 - 2, 2**31 - 1]), st.integers(0, 3)),
     sequence=st.lists(st.booleans(), min_size=1, max_size=16),
 )
 def test_compiled_host_rule_equals_the_rule_run_primitive_by_primitive(
-    scale: float,
-    growth: float,
-    backoff: float,
-    interval: int,
-    hysteresis: int,
-    bounds: tuple[float | None, float | None],
-    start: tuple[int, int],
-    sequence: list[bool],
+    cfg: ScalerConfig, start: tuple[int, int], sequence: list[bool]
 ) -> None:
-    low, high = bounds
-    scale = min(max(scale, low or 0.0), high or math.inf)
-    cfg = ScalerConfig(
-        init_scale=scale,
-        growth_factor=growth,
-        backoff_factor=backoff,
-        growth_interval=interval,
-        hysteresis=hysteresis,
-        min_scale=low,
-        max_scale=high,
-    )
     compiled = host_rule(cfg)
-    values = interpreted = Values(scale, start[0], start[1], (5, 1, 2, 3))
+    values = interpreted = Values(cfg.init_scale, start[0], start[1], (5, 1, 2, 3))
     for overflow in sequence:
         values = compiled(values, overflow)
         interpreted = _advance(interpreted, overflow, cfg, INTERPRETED)
