@@ -151,6 +151,14 @@ def test_an_unknown_device_is_a_runtime_error_as_with_torch_and_lists_the_device
         mixprec.custom_fwd(device_type="tpu9")
 
 
+@pytest.mark.parametrize("flag", ["enabled", "cache_enabled", "report"])
+@pytest.mark.parametrize("value", [0, 1, 0.0, 1.0, "yes"])
+def test_a_non_bool_flag_is_a_config_error(flag: str, value: object) -> None:
+    """0 and 1 compare equal to False and True, and are still refused: the flags are bools."""
+    with pytest.raises(ConfigError, match=flag):
+        mixprec.autocast("cpu", **{flag: value})  # type: ignore[arg-type]
+
+
 # ------------------------------------------------------------------ lifecycle and warnings
 def test_exit_without_enter_is_a_clear_error_that_leaves_the_state_alone() -> None:
     region = torch.autocast("cpu")

@@ -83,10 +83,8 @@ def resolve_device_type(device_type: str | torch.device | None) -> str:
     """
     if device_type is None:
         return default_device_type()
-    if (
-        isinstance(device_type, str) and device_type in VALIDATED_DEVICE_TYPES
-    ):  # fast path: validated before
-        return device_type
+    if isinstance(device_type, str) and device_type in VALIDATED_DEVICE_TYPES:
+        return device_type  # validated before
     if isinstance(device_type, torch.device):
         name = device_type.type
     elif isinstance(device_type, str):

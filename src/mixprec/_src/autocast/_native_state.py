@@ -2,9 +2,9 @@
 
 A region without a policy or a report does exactly what ``torch.autocast.__enter__`` and
 ``__exit__`` do to the thread-local autocast state (torch 2.13, ``torch/amp/autocast_mode.py``),
-in the same order, without building a ``torch.autocast`` object per region: its constructor
-re-validates what the region validated already and costs more than the switch itself (about
-30 µs per training step on the project's CPU; ``benchmarks/bench_autocast.py``). Where torch's
+in the same order, without building a ``torch.autocast`` object per region (its constructor
+re-validates what the region validated already; ``benchmarks/bench_autocast.py --region`` times
+the region). Where torch's
 object does more (a ``TorchFunctionMode`` is active, e.g. ``torch.export``'s pre-dispatch trace,
 which records regions into the graph), the region builds one instead (:func:`push` says so).
 """
@@ -61,10 +61,7 @@ def push(device: str, enabled: bool, dtype: torch.dtype, requested: bool | None)
     """
     if torch._C._is_torch_function_mode_enabled():
         return None
-    if requested is not None:
-        cache = requested
-    else:  # cache_for, with its training case first (a region per step)
-        cache = False if torch.is_grad_enabled() else cache_for(None, device, dtype)
+    cache = cache_for(requested, device, dtype)
     saved = (
         torch.is_autocast_enabled(device),
         torch.get_autocast_dtype(device),

@@ -11,11 +11,7 @@ from torch._compile import _disable_dynamo
 
 from mixprec._src.autocast import _native_state
 from mixprec._src.autocast._caller import warn_at_caller
-from mixprec._src.autocast._devices import (
-    VALIDATED_DEVICE_TYPES,
-    resolve_device_type,
-    resolve_region_dtype,
-)
+from mixprec._src.autocast._devices import resolve_device_type, resolve_region_dtype
 from mixprec._src.autocast._machinery import Entered, enter_machinery, exit_machinery
 from mixprec._src.autocast._modules import TLS, detach_hooks
 from mixprec._src.autocast.policy import Policy, coerce_policy
@@ -23,8 +19,6 @@ from mixprec._src.autocast.report import DtypeReport
 from mixprec.errors import ConfigError, RegionStateError
 
 F = TypeVar("F", bound=Callable[..., Any])
-
-_CACHE = (None, True, False)
 
 
 def _check_bool(name: str, value: object, allow_none: bool = False) -> None:
@@ -148,29 +142,20 @@ class autocast:
         policy: Policy | str | None = None,
         report: bool = False,
     ) -> None:
-        if type(enabled) is not bool or type(report) is not bool or cache_enabled not in _CACHE:
-            _check_bool("enabled", enabled)
-            _check_bool("cache_enabled", cache_enabled, allow_none=True)
-            _check_bool("report", report)
-        # Fast paths first: this runs once per training step.
-        if type(device_type) is str and device_type in VALIDATED_DEVICE_TYPES:
-            self.device = device_type
-        else:
-            self.device = resolve_device_type(device_type)
-        if dtype is torch.bfloat16 or dtype is torch.float16:
-            self.fast_dtype, on = dtype, enabled
-        else:
-            self.fast_dtype, on = resolve_region_dtype(
-                self.device, device_type is not None, dtype, enabled
-            )
+        _check_bool("enabled", enabled)
+        _check_bool("cache_enabled", cache_enabled, allow_none=True)
+        _check_bool("report", report)
+        self.device = resolve_device_type(device_type)
+        self.fast_dtype, on = resolve_region_dtype(
+            self.device, device_type is not None, dtype, enabled
+        )
         if on:  # as torch.autocast: it may turn itself off here (and say so, at this line)
-            key = (self.device, self.fast_dtype)
-            on, notes = _native_state.NATIVE.get(key) or _native_state.native_decision(*key)
+            on, notes = _native_state.native_decision(self.device, self.fast_dtype)
             for message, category in notes:
                 warn_at_caller(message, category)
         self.enabled = on
         self.cache_enabled = cache_enabled
-        self.policy = None if policy is None else coerce_policy(policy)
+        self.policy = coerce_policy(policy)
         self.report: DtypeReport | None = DtypeReport() if report else None
         # One entry per active ``__enter__`` (re-entrant); like torch.autocast, one instance must
         # not be entered from two threads at once (the decorator form makes a fresh one per call).
