@@ -72,6 +72,15 @@ INJECT = {2: math.inf, 5: math.nan}  # iteration -> value written into one grad
 CLIP = 0.5
 
 
+def _clip(scaler: Any, opt: torch.optim.Optimizer, model: torch.nn.Module, clip: str) -> None:
+    """The clipping variant of a run (see :func:`train`): torch's, mixprec's, or "none"."""
+    if clip == "torch":
+        scaler.unscale_(opt)
+        torch.nn.utils.clip_grad_norm_(model.parameters(), CLIP)
+    elif clip in ("fused", "in_step"):
+        scaler.clip_grad_norm_(opt, CLIP, in_step=clip == "in_step")
+
+
 def train(device: torch.device, make_opt: MakeOpt, scaler: Any, clip: str, iters: int = 8):
     """A tiny fp16-autocast MLP run. ``clip``: "none", "torch" (unscale_ + torch's
     clip_grad_norm_), "fused" (scaler.clip_grad_norm_) or "in_step" (the same, folded into the
@@ -93,11 +102,7 @@ def train(device: torch.device, make_opt: MakeOpt, scaler: Any, clip: str, iters
         if it in INJECT:
             with torch.no_grad():
                 model[2].weight.grad[0, 0] = INJECT[it]
-        if clip == "torch":
-            scaler.unscale_(opt)
-            torch.nn.utils.clip_grad_norm_(model.parameters(), CLIP)
-        elif clip in ("fused", "in_step"):
-            scaler.clip_grad_norm_(opt, CLIP, in_step=clip == "in_step")
+        _clip(scaler, opt, model, clip)
         scaler.step(opt)
         scaler.update()
         opt.zero_grad()
@@ -131,7 +136,7 @@ def differential(device: torch.device) -> tuple[list[str], bool]:
 
 
 def count_syncs(make_opt: MakeOpt, scaler_cls: Any, clip: str, iters: int = 6) -> float:
-    """Part 3: host syncs per iteration after two warm-up iterations (CUDA only)."""
+    """Part 4: host syncs per iteration after two warm-up iterations (CUDA only)."""
     device = torch.device("cuda")
     torch.manual_seed(0)
     model = torch.nn.Sequential(torch.nn.Linear(64, 64), torch.nn.ReLU(), torch.nn.Linear(64, 8))
@@ -144,11 +149,7 @@ def count_syncs(make_opt: MakeOpt, scaler_cls: Any, clip: str, iters: int = 6) -
         with torch.autocast("cuda", dtype=torch.float16):
             loss = torch.nn.functional.mse_loss(model(x).float(), y)
         scaler.scale(loss).backward()
-        if clip == "torch":
-            scaler.unscale_(opt)
-            torch.nn.utils.clip_grad_norm_(model.parameters(), CLIP)
-        elif clip in ("fused", "in_step"):
-            scaler.clip_grad_norm_(opt, CLIP, in_step=clip == "in_step")
+        _clip(scaler, opt, model, clip)
         scaler.step(opt)
         scaler.update()
         opt.zero_grad()

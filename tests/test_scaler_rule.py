@@ -27,7 +27,6 @@ from mixprec._src.scaling.rule import (
     Values,
     _advance,
     advance_tensors_,
-    advance_values,
     host_rule,
     next_scale,
 )
@@ -128,7 +127,7 @@ def test_device_rule_and_host_mirror_equal_reference(
     for flag in sequence:
         overflow = flag != 0 or math.isnan(flag)
         advance_tensors_(state, torch.tensor(flag), cfg)
-        host = advance_values(host, overflow, cfg)
+        host = host_rule(cfg)(host, overflow)
         expected = _reference(*expected, overflow, cfg)
         got = (state.scale.item(), state.growth_tracker.item(), state.overflow_streak.item())
         assert got == expected == (host.scale, host.growth_tracker, host.overflow_streak)

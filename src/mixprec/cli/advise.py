@@ -35,7 +35,8 @@ def _add_arguments(p: argparse.ArgumentParser) -> None:
         "--candidates",
         default=None,
         help="rule words, cheapest first, comma-separated: fp16, bf16, fp8, fp8:rowwise, "
-        "fp8:rowwise_gw_hp (default: bf16 on the CPU, else fp16)",
+        "fp8:rowwise_gw_hp (default: torch's autocast dtype for the device: bf16 on the CPU, "
+        "fp16 on CUDA)",
     )
     p.add_argument(
         "--min-sqnr", type=float, metavar="DB", help="target: the least whole-model gradient SQNR"

@@ -57,7 +57,7 @@ def advise(
         loss_fn: ``loss_fn(model, batch)`` returns the scalar loss (it calls the model).
         candidates: rule words, cheapest first: ``"fp16"``, ``"bf16"``, fp8 recipes
             (``"fp8"``, ``"fp8:rowwise"``, ``"fp8:rowwise_gw_hp"``; they serve ``nn.Linear``)
-            (default: the device's autocast dtype, bf16 on the CPU, fp16 elsewhere).
+            (default: torch's autocast dtype for the device, e.g. bf16 on the CPU, fp16 on CUDA).
         min_sqnr: the target: the least whole-model gradient SQNR in dB.
         keep_at_most: the most modules to keep out of every candidate. Without ``min_sqnr``,
             the ``keep_at_most`` most sensitive modules are kept. With neither, only modules

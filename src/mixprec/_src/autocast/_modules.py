@@ -297,7 +297,7 @@ def _enter_rule(
         torch.is_autocast_enabled(dev),
         torch.get_autocast_dtype(dev),
         torch.is_autocast_cache_enabled(),
-        None,  # fp8 (#14): what fp8_hook.enter_module returned
+        None,  # fp8 (#14): what fp8_hook.enter_modules returned
     )
     if rule.compute == "fp8":  # fp8 (#14): own matmuls in fp8, the region's dtype around them
         assert rule.recipe is not None

@@ -27,8 +27,7 @@ def dtensor_type() -> Any:
 
     Host sync: none.
     """
-    dist = torch_dist()
-    if not dist.is_available() or not dist.is_initialized():
+    if not initialized():
         return None
     try:
         from torch.distributed.tensor import DTensor

@@ -123,9 +123,6 @@ class DistState:
 
         Host sync: none.
         """
-        if plan.plain and self.group is None and self.join_group is None:
-            if not plan.low_precision:  # the common case, in one call
-                return plan, None, False
         plan, flags, _ = self.prepare_clip(plan, norms=False)
         return plan, flags, flags is not None
 
@@ -137,9 +134,9 @@ class DistState:
 
         Host sync: none.
         """
-        if self.group is None and self.join_group is None and not plan.low_precision:
-            if not initialized():  # the common case, in as few calls as possible
-                return plan, None, None
+        ungrouped = self.group is None and self.join_group is None and not plan.low_precision
+        if ungrouped and (plan.plain or not initialized()):  # no DTensor grads: the common case
+            return plan, None, None
         if plan.low_precision:  # (a comprehension over the empty list broke compile graphs)
             kept = [r for r in plan.low_precision if r.param.dtype == torch.float16]
             if len(kept) != len(plan.low_precision):

@@ -1,9 +1,10 @@
-"""What a policy rule calls: run one module's own matmuls in fp8 while its forward runs.
+"""What a policy rule calls: run the matmuls of the served modules in fp8 while a forward runs.
 
-The caller (the autocast module-rule hooks) enters :func:`enter_module` before the module's
-forward and :func:`exit_module` after it. In between, a narrowly scoped ``TorchFunctionMode``
-replaces the module's ``F.linear`` call on its own weight with :func:`fp8_linear`; every other
-call passes through. The mode traces under ``torch.compile`` (no graph break) and is re-entered by
+The caller (the autocast module-rule hooks) enters :func:`enter_modules` (one module's own rule,
+or the Linear modules under a container's rule; :func:`enter_module` for one) before the forward
+and :func:`exit_module` after it. In between, a narrowly scoped ``TorchFunctionMode`` replaces the
+``F.linear`` calls on the served modules' weights with :func:`fp8_linear`; every other call
+passes through. The mode traces under ``torch.compile`` (no graph break) and is re-entered by
 the same hooks when ``torch.utils.checkpoint`` recomputes the module.
 """
 
@@ -140,6 +141,6 @@ def _refuse_stats_while_compiling() -> None:
 
 
 def exit_module(token: Fp8LinearMode | None) -> None:
-    """Undo :func:`enter_module`. Host sync: none."""
+    """Undo :func:`enter_module` or :func:`enter_modules`. Host sync: none."""
     if token is not None:
         token.__exit__(None, None, None)

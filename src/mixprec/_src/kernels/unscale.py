@@ -25,15 +25,13 @@ threads; GPU figures come from ``benchmarks/gpu_check.py``):
 
 from __future__ import annotations
 
-import operator
-
 import torch
 
 from mixprec._src.devices import caps
 from mixprec._src.kernels.plan import GradPlan
 
 
-def _gather(plan: GradPlan, coalesce_fp16: bool) -> dict[tuple[torch.device, torch.dtype], list]:
+def _gather(plan: GradPlan) -> dict[tuple[torch.device, torch.dtype], list]:
     """Dense groups plus the values of sparse grads (fp16 ones coalesced first, as torch does).
 
     Coalescing sums duplicate indices, which can overflow in fp16, so it must happen before the
@@ -45,7 +43,7 @@ def _gather(plan: GradPlan, coalesce_fp16: bool) -> dict[tuple[torch.device, tor
     for ref in plan.sparse:
         grad = ref.param.grad
         assert grad is not None
-        if coalesce_fp16 and grad.dtype == torch.float16:
+        if grad.dtype == torch.float16:
             ref.param.grad = grad = grad.coalesce()
         groups.setdefault((grad.device, grad.dtype), []).append(grad._values())
     return groups
@@ -69,28 +67,9 @@ def unscale_grads_(
 
     Host sync: none.
     """
-    groups = _gather(plan, coalesce_fp16=True) if plan.sparse else plan.kernel_groups()
-    if _tracked(groups):  # grads with a graph (create_graph=True): do not record the unscale
-        with torch.no_grad():
-            _unscale_groups_(groups, inv_scale, found_inf_per_device, check_output)
-    else:  # nothing to record: torch.no_grad() would only cost its Python overhead
+    groups = _gather(plan)
+    with torch.no_grad():  # grads with a graph (create_graph=True): do not record the unscale
         _unscale_groups_(groups, inv_scale, found_inf_per_device, check_output)
-
-
-_REQUIRES_GRAD = operator.attrgetter("requires_grad")
-
-
-def _tracked(groups: dict[tuple[torch.device, torch.dtype], list[torch.Tensor]]) -> bool:
-    """Whether autograd would record an in-place op on these tensors (always assumed under
-    torch.compile, which traces torch.no_grad() for free)."""
-    if torch.compiler.is_compiling():
-        return True
-    if not torch.is_grad_enabled():
-        return False
-    if len(groups) == 1:
-        (grads,) = groups.values()
-        return any(map(_REQUIRES_GRAD, grads))
-    return any(any(map(_REQUIRES_GRAD, g)) for g in groups.values())
 
 
 def _unscale_groups_(
@@ -122,7 +101,7 @@ def check_finite_(plan: GradPlan, found_inf_per_device: dict[torch.device, torch
     Host sync: none.
     """
     with torch.no_grad():
-        for (device, _dtype), grads in _gather(plan, coalesce_fp16=True).items():
+        for (device, _dtype), grads in _gather(plan).items():
             _any_non_finite_(grads, found_inf_on(found_inf_per_device, device))
 
 

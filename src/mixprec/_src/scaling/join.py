@@ -11,7 +11,7 @@ from typing import Any
 import torch
 from torch.distributed.algorithms.join import Joinable, JoinHook
 
-from mixprec._src.dist.agree import agree_found_inf_, comm_device, validate_group
+from mixprec._src.dist.agree import agree_found_inf_, comm_device, initialized, validate_group
 from mixprec._src.dist.norms import all_reduce_norm_
 from mixprec._src.scaling.engine import Engine, engine_of
 from mixprec.errors import ConfigError
@@ -56,7 +56,7 @@ class JoinableScaler(Joinable):
         super().__init__()
         import torch.distributed as dist
 
-        if not dist.is_available() or not dist.is_initialized():
+        if not initialized():
             raise ConfigError(
                 "JoinableScaler needs torch.distributed: call "
                 "torch.distributed.init_process_group(...) before wrapping the scaler."

@@ -49,7 +49,8 @@ def scale_nested(value: Any, scale_on: ScaleOn) -> Any:
         attempt = (lambda: kind(*scaled)) if named else (lambda: kind(scaled))
         rebuilt = _first_that_holds([attempt], lambda r: _holds_items(r, kind, scaled))
         if rebuilt is None:
-            raise ConfigError(_cannot_rebuild(kind, f"{kind.__name__}(list) does not give"))
+            form = f"{kind.__name__}(*values)" if named else f"{kind.__name__}(list)"
+            raise ConfigError(_cannot_rebuild(kind, f"{form} does not give"))
         return rebuilt
     return scaled
 

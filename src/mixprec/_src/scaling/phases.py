@@ -76,7 +76,10 @@ class PhaseTable:
 
     def get(self, optimizer: object) -> OptimizerRecord:
         """The optimizer's record, created READY on first use."""
-        return self._records.setdefault(id(optimizer), OptimizerRecord())
+        record = self._records.get(id(optimizer))
+        if record is None:  # (not setdefault: that would build a record on every call)
+            record = self._records[id(optimizer)] = OptimizerRecord()
+        return record
 
     def records(self) -> list[OptimizerRecord]:
         """All records of this iteration, in the order the optimizers were first touched."""
@@ -126,12 +129,9 @@ class PhaseTable:
 
     def begin_step(self, optimizer: object) -> OptimizerRecord:
         """The record, after checking that ``step`` is allowed now."""
-        if not hasattr(optimizer, "param_groups"):
-            _check_optimizer(optimizer, "step")
-        record = self._records.get(id(optimizer))
-        if record is None:  # (written out: step runs when the interpreter's caches are cold)
-            record = self._records[id(optimizer)] = OptimizerRecord()
-        elif record.stage is OptState.STEPPED:
+        _check_optimizer(optimizer, "step")
+        record = self.get(optimizer)
+        if record.stage is OptState.STEPPED:
             raise ScalerStateError(
                 "step() has already been called on this optimizer since the last update(). "
                 "Call scaler.update() once at the end of every iteration, after stepping every "
@@ -156,8 +156,7 @@ class PhaseTable:
         """The grads were unscaled (``unscale_``, a clip), or checked with a deferred clip."""
         record.stage = OptState.UNSCALED
         record.deferred = deferred
-        record.missing = missing
-        record.optimizer = weakref.ref(optimizer)
+        self.mark_checked(record, optimizer, missing)
 
     def mark_stepped(
         self, record: OptimizerRecord, optimizer: torch.optim.Optimizer, skipped: bool | None

@@ -187,11 +187,6 @@ def _advance(values: Values, overflow: Any, config: ScalerConfig, ops: Ops) -> V
     return Values(scale, tracker, streak, counters)
 
 
-def advance_values(values: Values, overflow: bool, config: ScalerConfig) -> Values:
-    """One update of ``values`` on the host (:func:`host_rule` for ``config``). Host sync: none."""
-    return host_rule(config)(values, overflow)
-
-
 HostRule = Callable[[Values, bool], Values]
 
 
@@ -261,6 +256,15 @@ class _Trace:
         return out
 
 
+def _operator(template: str, reflected: bool = False) -> Callable[[_Traced, Any], _Traced]:
+    """A binary operator of :class:`_Traced`: one new line ``template`` of both operands."""
+
+    def apply(self: _Traced, other: Any) -> _Traced:
+        return self.trace.line(template, *((other, self) if reflected else (self, other)))
+
+    return apply
+
+
 class _Traced:
     """A value in a rule being compiled: the name of a local of the generated function."""
 
@@ -270,23 +274,12 @@ class _Traced:
         self.name = name
         self.trace = trace
 
-    def __add__(self, other: Any) -> _Traced:
-        return self.trace.line("{} + {}", self, other)
-
-    def __radd__(self, other: Any) -> _Traced:
-        return self.trace.line("{} + {}", other, self)
-
-    def __mul__(self, other: Any) -> _Traced:
-        return self.trace.line("{} * {}", self, other)
-
-    def __rmul__(self, other: Any) -> _Traced:
-        return self.trace.line("{} * {}", other, self)
-
-    def __gt__(self, other: Any) -> _Traced:
-        return self.trace.line("{} > {}", self, other)
-
-    def __lt__(self, other: Any) -> _Traced:
-        return self.trace.line("{} < {}", self, other)
+    __add__ = _operator("{} + {}")
+    __radd__ = _operator("{} + {}", reflected=True)
+    __mul__ = _operator("{} * {}")
+    __rmul__ = _operator("{} * {}", reflected=True)
+    __gt__ = _operator("{} > {}")
+    __lt__ = _operator("{} < {}")
 
     def __bool__(self) -> bool:
         raise TypeError(

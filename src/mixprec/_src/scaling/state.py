@@ -58,7 +58,7 @@ class ScaleState:
         self._iterations: int | None = values.counters[0]
         self._inv: torch.Tensor | None = None
         self._copies: dict[torch.device, torch.Tensor] = {}
-        self._rule: tuple[ScalerConfig | None, HostRule | None] = (None, None)  # the last config's
+        self._rule: tuple[ScalerConfig, HostRule] | None = None  # the last config's compiled rule
 
     # ------------------------------------------------------------------ creating, reading
 
@@ -192,11 +192,9 @@ class ScaleState:
             tensors = self._tensors
             assert tensors is not None
             used = tensors.scale.clone() if keep else tensors.scale
-            rule_config, rule = self._rule
-            if rule_config is not config or rule is None:
-                rule = host_rule(config)
-                self._rule = (config, rule)
-            after = rule(before, overflow)
+            if self._rule is None or self._rule[0] is not config:
+                self._rule = (config, host_rule(config))  # (skips hashing the config each time)
+            after = self._rule[1](before, overflow)
             changed = after.scale != before.scale
             if changed:
                 tensors.scale.fill_(after.scale)
@@ -204,14 +202,13 @@ class ScaleState:
             self._known(after, changed)
             self._iterations = after.counters[0]  # (the host view counts the iterations too)
             return used, self._iterations, after
-        else:
-            tensors = self.tensors
-            assert tensors is not None
-            # The floor clamp is needed only when one backoff could take the scale near it.
-            near_floor = self._bound * config.backoff_factor < 4 * config.floor
-            used = advance_tensors_(tensors, found_inf, config, clamp=near_floor)
-            self._follow(config, compiling)
-            return used, self._count(compiling, needed), self._host
+        tensors = self.tensors
+        assert tensors is not None
+        # The floor clamp is needed only when one backoff could take the scale near it.
+        near_floor = self._bound * config.backoff_factor < 4 * config.floor
+        used = advance_tensors_(tensors, found_inf, config, clamp=near_floor)
+        self._follow(config, compiling)
+        return used, self._count(compiling, needed), self._host
 
     def _follow(self, config: ScalerConfig, compiling: bool) -> None:
         """The host view after a device-side update.

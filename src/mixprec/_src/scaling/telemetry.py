@@ -194,16 +194,13 @@ class Telemetry:
         """Record the iteration (history), call the hooks, then :meth:`watch` the values if
         known. Host sync: none (hooks may; one to name parameters when it warns or raises)."""
         self._last_iteration = total
-        if self.hooks or self.history.capacity:
+        if self.wants_events():
             event = UpdateEvent(iteration, scale, total, total != 0)
             self.history.record(iteration, used, event.skipped)
             for hook in list(self.hooks.values()):
                 hook(scaler, event)
-        if values is None:
-            return
-        scale_now, streak = values.scale, values.overflow_streak
-        if limit is not None or scale_now < 1.0 or streak >= SKIP_WARNING:
-            self.watch(scale_now, streak, limit, optimizers)
+        if values is not None:
+            self.watch(values.scale, values.overflow_streak, limit, optimizers)
 
     def watch(
         self,
@@ -216,6 +213,8 @@ class Telemetry:
         """Warn once when the scale drops below 1 or 50 iterations in a row were skipped; raise
         on ``limit`` (``max_consecutive_skips``), naming the parameters of ``optimizers()``.
         Host sync: one to name the parameters, only when it warns or raises."""
+        if limit is None and scale >= 1.0 and streak < SKIP_WARNING:
+            return  # the common case, in one test
         if may_raise and limit is not None and streak >= limit:
             what = f"{streak} consecutive iterations overflowed"
             raise ScaleCollapseError(_collapse_text(what, scale, streak, optimizers()))
