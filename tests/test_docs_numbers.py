@@ -54,7 +54,8 @@ def parse(table: str) -> dict[str, dict[str, float | None]]:
         *name, loss, r2, flushed, skipped, scale, _wall = line.split()
         cells = (loss, r2, flushed.rstrip("%"), skipped, scale)
         rows[" ".join(name)] = {
-            col: None if cell == "-" else float(cell) for col, cell in zip(COLUMNS, cells, strict=True)
+            col: None if cell == "-" else float(cell)
+            for col, cell in zip(COLUMNS, cells, strict=True)
         }
     return rows
 
