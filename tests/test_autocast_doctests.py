@@ -15,21 +15,18 @@ import mixprec
 from autocast_helpers import MLP
 
 MODULES = [
-    "mixprec._src.autocast._caller",
-    "mixprec._src.autocast._casting",
-    "mixprec._src.autocast._devices",
-    "mixprec._src.autocast._modules",
-    "mixprec._src.autocast._native_state",
-    "mixprec._src.autocast._ops",
-    "mixprec._src.autocast._recompute",
-    "mixprec._src.autocast._targets",
+    "mixprec._src.caller",
+    "mixprec._src.autocast.casting",
     "mixprec._src.autocast.custom",
+    "mixprec._src.autocast.fp8",
+    "mixprec._src.autocast.modules",
     "mixprec._src.autocast.native",
+    "mixprec._src.autocast.ops",
     "mixprec._src.autocast.policy",
     "mixprec._src.autocast.region",
     "mixprec._src.autocast.report",
     "mixprec._src.autocast.rules",
-    "mixprec._src.autocast.table",
+    "mixprec._src.autocast.targets",
 ]
 
 

@@ -13,12 +13,12 @@ from torch import nn
 import mixprec
 from autocast_helpers import MLP
 from mixprec import Rule
-from mixprec._src.autocast._ops import OpRuleMode
 from mixprec._src.autocast.native import (
     check_native_table,
     native_op_table,
     registered_autocast_ops,
 )
+from mixprec._src.autocast.ops import OpRuleMode
 
 BF16 = torch.bfloat16
 

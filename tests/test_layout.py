@@ -15,7 +15,7 @@ from pathlib import Path
 import mixprec
 
 SRC = Path(mixprec.__file__).resolve().parent
-MAX_MODULE_LINES = 400
+MAX_MODULE_LINES = 600
 MAX_FUNCTION_LINES = 40  # of code: docstrings, comments, blank lines and nested defs left out
 
 # Known exceptions in other engineers' areas, each with who fixes it. The test fails when one

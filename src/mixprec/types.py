@@ -9,8 +9,8 @@ from __future__ import annotations
 
 from mixprec._src.advisor.report import Advice, Fp16Range, Measurement, ModuleAdvice
 from mixprec._src.anomaly import NonFiniteFinder, NonFiniteReport
+from mixprec._src.autocast.policy import PolicyTable, PolicyTableRow
 from mixprec._src.autocast.report import DtypeReport, ReportRow
-from mixprec._src.autocast.table import PolicyTable, PolicyTableRow
 from mixprec._src.fp8.stats import Fp8CastStats, Fp8ModuleStats
 from mixprec._src.kernels.flat import FlatGrads
 from mixprec._src.scaling.diagnostics import Diagnosis

@@ -25,7 +25,7 @@ from torch import nn
 from torch.utils.hooks import RemovableHandle
 from torch.utils.weak import WeakTensorKeyDictionary
 
-from mixprec._src.autocast._caller import warn_at_caller
+from mixprec._src.caller import warn_at_caller
 from mixprec.errors import ConfigError, NonFiniteError, OverflowRiskWarning
 
 _FP16_MAX = float(torch.finfo(torch.float16).max)

@@ -20,8 +20,8 @@ import torch
 from torch.autograd.function import FunctionCtx
 from torch.utils._pytree import tree_leaves
 
-from mixprec._src.autocast._casting import cast_tree, run_without_autocast
-from mixprec._src.autocast._devices import default_device_type, resolve_device_type
+from mixprec._src.autocast.casting import cast_tree, run_without_autocast
+from mixprec._src.autocast.native import default_device_type, resolve_device_type
 from mixprec.errors import ConfigError
 
 _ATTR = "_mixprec_fwd_state"

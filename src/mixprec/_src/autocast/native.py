@@ -1,20 +1,271 @@
-"""Native autocast op lists: registrations read from the installed torch's dispatcher.
+"""Native autocast, the base of every region: which device and dtype, whether it turns itself on,
+the thread-local state it switches, and the ops it casts.
 
-Which ops have a native ``Autocast<Device>`` kernel is read from the dispatcher at run time. The
-*policy* of each kernel (lower precision, fp32, promote, ...) is not exposed by torch, so mixprec
-keeps a table for torch 2.13 (``KNOWN_POLICIES``) and checks it against the dispatcher:
-:func:`check_native_table` reports drift and the test suite fails loudly on it. Ops the dispatcher
-registers but the table does not know are reported as ``"unknown"``, never guessed.
+**Device and dtype.** ``device_type=None`` is the device the user trains on: the current
+accelerator reported by :mod:`torch.accelerator` (CUDA when available, also XPU, MPS, ...) when
+autocast is available for it, and the CPU otherwise. The device types named in messages come from
+the shared capability table (:func:`mixprec._src.devices.autocast_device_types`). The dtype follows
+``torch.autocast``: with a device type and no dtype, the device's current autocast dtype
+(``torch.get_autocast_dtype``: bfloat16 for the CPU, float16 for CUDA, or what an enclosing region
+set); with no device either (the ``torch.cuda.amp.autocast()`` call form), float16.
+``dtype=torch.float32`` turns the region off (the computation stays in float32); with
+``enabled=False`` any dtype is accepted, as torch does.
+
+**The state switch.** A region without a policy or a report does exactly what
+``torch.autocast.__enter__`` and ``__exit__`` do to the thread-local autocast state (torch 2.13,
+``torch/amp/autocast_mode.py``), in the same order, without building a ``torch.autocast`` object
+per region (its constructor re-validates what the region validated already). Where torch's object
+does more (a ``TorchFunctionMode`` is active, e.g. ``torch.export``'s pre-dispatch trace, which
+records regions into the graph), the region builds one instead (:func:`push_state` says so). The
+weight-cast cache decision (:func:`cache_for`) and the enable decision (:func:`native_decision`)
+live here too.
+
+**Op lists.** Which ops have a native ``Autocast<Device>`` kernel is read from the dispatcher at
+run time. The *policy* of each kernel (lower precision, fp32, promote, ...) is not exposed by
+torch, so mixprec keeps a table for torch 2.13 (``KNOWN_POLICIES``) and checks it against the
+dispatcher: :func:`check_native_table` reports drift and the test suite fails loudly on it. Ops
+the dispatcher registers but the table does not know are reported as ``"unknown"``, never guessed.
 """
 
 from __future__ import annotations
 
 import functools
+import warnings
+from typing import Any
 
 import torch
 
-from mixprec._src.devices import caps
+from mixprec._src.devices import autocast_device_types, caps
+from mixprec.errors import ConfigError, UnsupportedDeviceError
 
+# ---------------------------------------------------------------- device and dtype
+#: The dtypes an autocast region can lower to.
+LOW_PRECISION_DTYPES: tuple[torch.dtype, ...] = (torch.float16, torch.bfloat16)
+
+
+#: Device-type strings already validated (the fast path of a region built every step).
+VALIDATED_DEVICE_TYPES: set[object] = set()
+
+
+def default_device_type() -> str:
+    """Return the device type a region uses when ``device_type`` is ``None``.
+
+    The current accelerator (``torch.accelerator.current_accelerator()``: CUDA when available) when
+    autocast is available for it, else ``"cpu"``.
+
+    Example:
+        >>> from mixprec._src.autocast import native as d
+        >>> d.default_device_type() in ("cpu", "cuda", "xpu", "mps", "hpu", "mtia")
+        True
+
+    Host sync: none.
+    """
+    accel = getattr(torch, "accelerator", None)
+    if accel is not None and accel.is_available():
+        dev = accel.current_accelerator()
+        if dev is not None and _autocast_available(dev.type):
+            return dev.type
+    if torch.cuda.is_available():
+        return "cuda"
+    return "cpu"
+
+
+def _autocast_available(device_type: str) -> bool:
+    try:
+        return bool(torch.amp.is_autocast_available(device_type))
+    except RuntimeError:
+        return False
+
+
+def _accepted_device_types() -> list[str]:
+    return [d for d in autocast_device_types() if _autocast_available(d)]
+
+
+def resolve_device_type(device_type: str | torch.device | None) -> str:
+    """Turn a user's ``device_type`` into the device type native autocast expects.
+
+    Accepts ``None`` (see :func:`default_device_type`), a device type (``"cuda"``), a device string
+    with an index (``"cuda:0"``) or a :class:`torch.device`.
+
+    Example:
+        >>> import torch
+        >>> from mixprec._src.autocast.native import resolve_device_type
+        >>> resolve_device_type(torch.device("cpu"))
+        'cpu'
+
+    Raises:
+        UnsupportedDeviceError: the device type is unknown or has no autocast support (also a
+            ``RuntimeError``, as torch raises, and a ``ConfigError``); the message lists the
+            accepted device types.
+        ConfigError: ``device_type`` is not a string, a device or None.
+
+    Host sync: none.
+    """
+    if device_type is None:
+        return default_device_type()
+    if isinstance(device_type, str) and device_type in VALIDATED_DEVICE_TYPES:
+        return device_type  # validated before
+    if isinstance(device_type, torch.device):
+        name = device_type.type
+    elif isinstance(device_type, str):
+        name = device_type.split(":", 1)[0].strip()
+    else:
+        raise ConfigError(
+            f"device_type must be a str, a torch.device or None, got {type(device_type).__name__} "
+            f"{device_type!r}; accepted device types: {', '.join(_accepted_device_types())}"
+        )
+    if not _autocast_available(name):
+        raise UnsupportedDeviceError(
+            f"device_type {device_type!r} has no autocast support in this torch build; "
+            f"accepted device types: {', '.join(_accepted_device_types())}"
+        )
+    if name == device_type:
+        VALIDATED_DEVICE_TYPES.add(name)
+    return name
+
+
+def resolve_region_dtype(
+    device: str, device_given: bool, dtype: object, enabled: bool
+) -> tuple[torch.dtype, bool]:
+    """The region's dtype and whether it casts at all, as ``torch.autocast`` decides them.
+
+    Example:
+        >>> import torch
+        >>> resolve_region_dtype("cpu", True, None, True)
+        (torch.bfloat16, True)
+        >>> resolve_region_dtype("cpu", False, None, True)  # torch.cuda.amp.autocast() form
+        (torch.float16, True)
+        >>> resolve_region_dtype("cpu", True, torch.float32, True)  # float32: the region is off
+        (torch.float32, False)
+
+    Raises:
+        ConfigError: ``dtype`` is not a torch dtype, or (when enabled) a dtype autocast cannot
+            lower to other than float32 (float64, integers); the message lists the accepted ones.
+
+    Host sync: none.
+    """
+    if dtype is None:
+        return (torch.get_autocast_dtype(device) if device_given else torch.float16), enabled
+    if dtype is torch.float16 or dtype is torch.bfloat16:
+        return dtype, enabled
+    if not isinstance(dtype, torch.dtype):
+        raise ConfigError(
+            f"dtype must be a torch.dtype, got {type(dtype).__name__} {dtype!r}; "
+            "accepted: torch.float16, torch.bfloat16 (torch.float32: autocast off)"
+        )
+    if dtype == torch.float32 or not enabled:
+        return dtype, False
+    raise ConfigError(
+        f"dtype={dtype} is not a floating dtype autocast can lower to; accepted: torch.float16, "
+        "torch.bfloat16, or torch.float32 (autocast off); with enabled=False any dtype is accepted"
+    )
+
+
+# ---------------------------------------------------------------- the state switch
+Saved = tuple[bool, torch.dtype, bool]
+
+
+def cache_for(requested: bool | None, device: str, dtype: torch.dtype) -> bool:
+    """The weight-cast cache setting a region enters with.
+
+    ``None``: off where a backward can follow (grad mode on), so that checkpoint recomputation
+    dispatches the same casts as its forward; off in a nested region that switches to another low
+    dtype (the native cache is keyed by the source tensor only); else the current setting, as
+    torch.
+
+    Example:
+        >>> import torch
+        >>> cache_for(None, "cpu", torch.bfloat16), cache_for(True, "cpu", torch.bfloat16)
+        (False, True)
+
+    Host sync: none.
+    """
+    if requested is not None:
+        return requested
+    if torch.is_grad_enabled():
+        return False
+    if torch.is_autocast_enabled(device) and torch.get_autocast_dtype(device) != dtype:
+        return False
+    return torch.is_autocast_cache_enabled()
+
+
+def push_state(
+    device: str, enabled: bool, dtype: torch.dtype, requested: bool | None
+) -> Saved | None:
+    """Switch the native state as ``torch.autocast.__enter__`` does and return what to restore;
+    None, touching nothing, where a ``torch.autocast`` object must do it (a function mode is
+    active, e.g. ``torch.export``'s pre-dispatch trace, which records regions into the graph).
+
+    Example:
+        >>> import torch
+        >>> saved = push_state("cpu", True, torch.bfloat16, None)
+        >>> torch.is_autocast_enabled("cpu"), torch.is_autocast_cache_enabled()
+        (True, False)
+        >>> pop_state("cpu", saved)
+        >>> torch.is_autocast_enabled("cpu"), torch.is_autocast_cache_enabled()
+        (False, True)
+
+    Host sync: none.
+    """
+    if torch._C._is_torch_function_mode_enabled():
+        return None
+    cache = cache_for(requested, device, dtype)
+    saved = (
+        torch.is_autocast_enabled(device),
+        torch.get_autocast_dtype(device),
+        torch.is_autocast_cache_enabled(),
+    )
+    torch.set_autocast_enabled(device, enabled)
+    torch.set_autocast_dtype(device, dtype)
+    torch.autocast_increment_nesting()
+    torch.set_autocast_cache_enabled(cache)
+    return saved
+
+
+def pop_state(device: str, saved: Saved) -> None:
+    """Restore as ``torch.autocast.__exit__`` does (the outermost exit clears the weight cache).
+
+    Example:
+        >>> import torch
+        >>> pop_state("cpu", push_state("cpu", True, torch.float16, True))
+        >>> torch.is_autocast_enabled("cpu")
+        False
+
+    Host sync: none.
+    """
+    if torch.autocast_decrement_nesting() == 0:
+        torch.clear_autocast_cache()
+    torch.set_autocast_enabled(device, saved[0])
+    torch.set_autocast_dtype(device, saved[1])
+    torch.set_autocast_cache_enabled(saved[2])
+
+
+NATIVE: dict[tuple[str, torch.dtype], tuple[bool, tuple[tuple[str, type[Warning]], ...]]] = {}
+
+
+def native_decision(device: str, dtype: torch.dtype) -> tuple[bool, tuple[Any, ...]]:
+    """Whether ``torch.autocast(device, dtype)`` enables itself here, and the warnings it gives
+    (e.g. CUDA requested on a machine without CUDA). Asked once per (device, dtype); torch's
+    errors (CUDA bfloat16 on a GPU without it) propagate, at construction, as with torch.
+
+    Example:
+        >>> import torch
+        >>> native_decision("cpu", torch.bfloat16)
+        (True, ())
+
+    Host sync: none.
+    """
+    found = NATIVE.get((device, dtype))
+    if found is None:
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            native = torch.autocast(device, dtype=dtype, enabled=True)
+        notes = tuple((str(w.message), w.category) for w in caught)
+        found = NATIVE[(device, dtype)] = (bool(native._enabled), notes)
+    return found
+
+
+# ---------------------------------------------------------------- op lists
 _CUDA_LOW = """_convolution.deprecated _convolution conv1d conv2d conv3d conv_tbc conv_transpose1d
 conv_transpose2d.input conv_transpose3d.input convolution prelu addmm addmv addr matmul einsum mm mv
 linalg_vecdot linear addbmm baddbmm bmm chain_matmul linalg_multi_dot _thnn_fused_lstm_cell

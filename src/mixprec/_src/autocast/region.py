@@ -1,4 +1,12 @@
-"""``mixprec.autocast``: native ``torch.autocast`` underneath, plus policies and a dtype report."""
+"""``mixprec.autocast``: native ``torch.autocast`` underneath, plus policies and a dtype report.
+
+A region without a policy or a report is native autocast's state switch and nothing else
+(:mod:`.native`). A full region (a policy, a report, or nested in one) adds, after native entry:
+a :class:`~.modules.Frame` (its device, dtype and policy, read by the module hooks), the
+process-wide module hooks when it has module rules or a report, the op rule mode when it has op
+rules, and a recorder for a report. Its exit undoes exactly what its entry did and, for a strict
+policy, refuses name rules that matched no module run in the region.
+"""
 
 from __future__ import annotations
 
@@ -9,13 +17,25 @@ from typing import Any, TypeVar
 import torch
 from torch._compile import _disable_dynamo
 
-from mixprec._src.autocast import _native_state
-from mixprec._src.autocast._caller import warn_at_caller
-from mixprec._src.autocast._devices import resolve_device_type, resolve_region_dtype
-from mixprec._src.autocast._machinery import Entered, enter_machinery, exit_machinery
-from mixprec._src.autocast._modules import TLS, detach_hooks
+from mixprec._src.autocast.modules import (
+    TLS,
+    Frame,
+    acquire_global_hooks,
+    detach_hooks,
+    release_global_hooks,
+)
+from mixprec._src.autocast.native import (
+    cache_for,
+    native_decision,
+    pop_state,
+    push_state,
+    resolve_device_type,
+    resolve_region_dtype,
+)
+from mixprec._src.autocast.ops import OpRuleMode
 from mixprec._src.autocast.policy import Policy, coerce_policy
 from mixprec._src.autocast.report import DtypeReport
+from mixprec._src.caller import warn_at_caller
 from mixprec.errors import ConfigError, RegionStateError
 
 F = TypeVar("F", bound=Callable[..., Any])
@@ -47,6 +67,88 @@ def _refuse_while_compiling(message: str) -> None:
     # Dynamo runs this eagerly (a graph break), so the error reaches the user instead of being
     # absorbed by tracing.
     raise ConfigError(message)
+
+
+class Entered:
+    """What one ``__enter__`` of a full region did, so that ``__exit__`` can undo exactly that.
+
+    Host sync: none.
+    """
+
+    __slots__ = ("frame", "hooks", "mode", "native", "recorder")
+
+    def __init__(self, native: torch.autocast) -> None:
+        self.native = native
+        self.frame: Frame | None = None
+        self.hooks = False
+        self.mode: OpRuleMode | None = None
+        self.recorder: Any = None  # set when the region records a report
+
+
+def _enter_policy(
+    entered: Entered,
+    device: str,
+    dtype: torch.dtype,
+    policy: Policy | None,
+    report: DtypeReport | None,
+) -> None:
+    """Push the region's frame and enter its hooks, op mode and recorder (after native entry).
+
+    A region without a policy inherits the enclosing region's. Host sync: none.
+    """
+    tls = TLS
+    if policy is None and tls.frames:
+        policy = tls.frames[-1].policy
+    enabled = bool(entered.native._enabled)
+    frame = Frame(device, dtype, enabled, policy)
+    frame.stack_len = len(tls.stack)
+    if not tls.frames:
+        tls.root, tls.root_map, tls.roots = None, {}, []  # names: roots run in this region
+    tls.frames.append(frame)
+    entered.frame = frame
+    reporting = report is not None
+    if (policy is not None and policy.has_module_rules) or reporting:
+        acquire_global_hooks(post=reporting)
+        entered.hooks = True
+        tls.reporting += reporting
+    if policy is not None and policy.op_rules and enabled:
+        entered.mode = OpRuleMode(policy._op_table, device)
+        entered.mode.__enter__()
+    if report is not None:
+        entered.recorder = report.record("forward")
+        entered.recorder.__enter__()
+
+
+def _exit_policy(entered: Entered, own_policy: Policy | None, clean: bool) -> None:
+    """Undo :func:`_enter_policy` (before native exit).
+
+    Raises:
+        ConfigError: ``clean`` (no exception left the region), the region's own policy is
+            strict, and one of its name rules matched no module that ran in the region.
+
+    Host sync: none.
+    """
+    tls = TLS
+    frame = entered.frame
+    assert frame is not None
+    reporting = entered.recorder is not None
+    try:
+        if entered.recorder is not None:
+            entered.recorder.__exit__(None, None, None)
+        if entered.mode is not None:
+            entered.mode.__exit__(None, None, None)
+    finally:
+        if entered.hooks:
+            release_global_hooks(post=reporting)
+            tls.reporting -= reporting
+        del tls.frames[tls.frames.index(frame) :]
+        del tls.stack[frame.stack_len :]
+    policy = frame.policy
+    strict = clean and policy is not None and policy is own_policy and policy.strict
+    if strict and policy is not None and policy.name_rules and frame.names_seen:
+        error = policy._unmatched_error(sorted(frame.names_seen), "that ran in the region")
+        if error is not None:
+            raise error
 
 
 class autocast:
@@ -150,7 +252,7 @@ class autocast:
             self.device, device_type is not None, dtype, enabled
         )
         if on:  # as torch.autocast: it may turn itself off here (and say so, at this line)
-            on, notes = _native_state.native_decision(self.device, self.fast_dtype)
+            on, notes = native_decision(self.device, self.fast_dtype)
             for message, category in notes:
                 warn_at_caller(message, category)
         self.enabled = on
@@ -164,7 +266,7 @@ class autocast:
     def _native(self) -> torch.autocast:
         if torch.compiler.is_compiling():
             _refuse_while_compiling(_PRECONSTRUCTED_MSG)
-        cache = _native_state.cache_for(self.cache_enabled, self.device, self.fast_dtype)
+        cache = cache_for(self.cache_enabled, self.device, self.fast_dtype)
         return torch.autocast(
             self.device, dtype=self.fast_dtype, enabled=self.enabled, cache_enabled=cache
         )
@@ -174,9 +276,7 @@ class autocast:
             # The thin path: native autocast's state switch and nothing else.
             if torch.compiler.is_compiling():
                 _refuse_while_compiling(_PRECONSTRUCTED_MSG)
-            saved = _native_state.push(
-                self.device, self.enabled, self.fast_dtype, self.cache_enabled
-            )
+            saved = push_state(self.device, self.enabled, self.fast_dtype, self.cache_enabled)
             if saved is None:
                 native = self._native()
                 native.__enter__()
@@ -200,7 +300,7 @@ class autocast:
         entered = Entered(native)
         self._stack.append(entered)
         try:
-            enter_machinery(entered, self.device, self.fast_dtype, self.policy, self.report)
+            _enter_policy(entered, self.device, self.fast_dtype, self.policy, self.report)
         except BaseException:
             self._stack.pop()
             native.__exit__(None, None, None)
@@ -214,7 +314,7 @@ class autocast:
             )
         top = self._stack[-1]
         if type(top) is tuple:
-            _native_state.pop(self.device, self._stack.pop())
+            pop_state(self.device, self._stack.pop())
             return
         if not isinstance(top, Entered):
             self._stack.pop().__exit__(exc_type, exc, tb)
@@ -227,7 +327,7 @@ class autocast:
     def _exit_full(self, exc_type: Any, exc: Any, tb: Any) -> None:
         entered = self._stack.pop()
         try:
-            exit_machinery(entered, self.policy, exc_type is None)
+            _exit_policy(entered, self.policy, exc_type is None)
         finally:
             entered.native.__exit__(exc_type, exc, tb)
 
@@ -310,8 +410,8 @@ class autocast:
 
 
 # Dynamo must not trace the policy machinery (hooks, modes): while compiling, enter and exit run
-# eagerly through these (disabling costs tens of microseconds, so only then). torch's own lazy
-# form of torch.compiler.disable is used: the eager one imports torch._dynamo (and sympy) at
-# `import mixprec`, about a second, for users who never compile.
+# eagerly through these (only then: a disabled frame is dearer than a plain call). torch's own
+# lazy form of torch.compiler.disable is used: the eager one would import torch._dynamo (and
+# sympy) at `import mixprec`, for users who never compile.
 _enter_full_eagerly = _disable_dynamo(autocast._enter_full)
 _exit_full_eagerly = _disable_dynamo(autocast._exit_full)

@@ -10,7 +10,7 @@ import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_leaves
 
-from mixprec._src.autocast._modules import current_module_name
+from mixprec._src.autocast.modules import current_module_name
 from mixprec._src.autocast.rules import format_dtype
 
 _SKIP = frozenset({"aten::detach", "aten::alias", "aten::lift_fresh"})

@@ -14,7 +14,7 @@ from dataclasses import dataclass
 
 import torch
 
-from mixprec._src.autocast._devices import LOW_PRECISION_DTYPES
+from mixprec._src.autocast.native import LOW_PRECISION_DTYPES
 from mixprec._src.fp8.recipes import RECIPES as FP8_RECIPES
 from mixprec.errors import ConfigError
 

@@ -9,7 +9,7 @@ import warnings
 import torch
 
 # mixprec's own folder, found from this file (importing the package here would be a cycle)
-_MIXPREC = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+_MIXPREC = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 _INTERNAL = (_MIXPREC + os.sep, os.path.dirname(os.path.abspath(str(torch.__file__))) + os.sep)
 
 

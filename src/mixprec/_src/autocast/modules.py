@@ -6,7 +6,8 @@ each module that runs to its rule. A module with a rule gets a pair of per-insta
 they apply the rule by switching the *native* autocast state, which is what makes rules survive
 ``torch.utils.checkpoint`` recomputation: recompute runs in backward, outside the region, with the
 native state restored by checkpoint, and the per-module hooks replay the rule bound at the
-module's latest forward. (Op rules replay through the checkpoint itself: :mod:`._recompute`.)
+module's latest forward. (Op rules replay through the checkpoint itself: :mod:`.ops`.) A rule of
+the fp8 family enters and leaves through :mod:`.fp8` instead of switching the native state.
 """
 
 from __future__ import annotations
@@ -19,12 +20,10 @@ from torch import nn
 from torch.fx import GraphModule
 from torch.nn.modules import module as nn_module
 
-from mixprec._src.autocast._casting import cast_tree, cast_value, first_floating_dtype
-from mixprec._src.autocast._fp8 import check_fp8_reach, fp8_targets
+from mixprec._src.autocast import fp8
+from mixprec._src.autocast.casting import cast_tree, cast_value, first_floating_dtype
 from mixprec._src.autocast.policy import Policy
 from mixprec._src.autocast.rules import Rule
-from mixprec._src.fp8 import hook as fp8_hook
-from mixprec._src.fp8.recipes import get_recipe
 
 
 class Frame:
@@ -132,8 +131,7 @@ class _Record:
         self.low = torch.float16
         self.live = False
         self.handles: list[Any] = []
-        self.fp8_targets: tuple[tuple[str, nn.Module], ...] | None = None  # from rule and name
-        self.fp8_maps = 0  # _MAPS_BUILT when fp8_targets was found
+        self.fp8: Any = None  # what fp8.enter_rule keeps between calls (its served modules)
 
 
 def _record(module: nn.Module) -> _Record | None:
@@ -168,7 +166,7 @@ def _bind(frame: Frame, module: nn.Module, name: str) -> bool:
         rec.policy, rec.name, rec.rule = policy, name, rule
     elif rec.policy is not policy or rec.name != name:
         rec.policy, rec.name, rec.rule = policy, name, policy.module_rule(module, name)
-        rec.fp8_targets = None
+        rec.fp8 = None
     rec.device_type, rec.low, rec.live = frame.device_type, frame.dtype, frame.enabled
     return fresh
 
@@ -183,7 +181,7 @@ def _prepare_tree(root: nn.Module, policy: Policy, include_root: bool = False) -
     for name, mod in root.named_modules():
         if name and _record(mod) is None and policy.module_rule(mod, name) is not None:
             _attach(mod)
-    check_fp8_reach(root, policy)
+    fp8.check_reach(root, policy)
     object.__setattr__(root, _PREPARED_ATTR, policy)
 
 
@@ -297,17 +295,10 @@ def _enter_rule(
         torch.is_autocast_enabled(dev),
         torch.get_autocast_dtype(dev),
         torch.is_autocast_cache_enabled(),
-        None,  # fp8 (#14): what fp8_hook.enter_modules returned
+        None,  # what fp8.enter_rule returned
     )
-    if rule.compute == "fp8":  # fp8 (#14): own matmuls in fp8, the region's dtype around them
-        assert rule.recipe is not None
-        # Found again after a module the name maps did not know ran (modules added or swapped):
-        # from the forward after that, new Linear modules under the rule are served too.
-        if rec.fp8_targets is None or rec.fp8_maps != _MAPS_BUILT[0]:
-            rec.fp8_targets = fp8_targets(module, rec.name or "", rec.policy)
-            rec.fp8_maps = _MAPS_BUILT[0]
-        token = fp8_hook.enter_modules(rec.fp8_targets, get_recipe(rule.recipe), rec.low)
-        return (*saved[:3], token), args, kwargs
+    if rule.compute == "fp8":
+        return (*saved[:3], fp8.enter_rule(module, rule, rec, _MAPS_BUILT[0])), args, kwargs
     if rule.compute in ("fp32", "keep"):
         torch.set_autocast_enabled(dev, False)
         if rule.compute == "fp32":
@@ -330,7 +321,7 @@ def _instance_post(
     if entry is None:
         return None
     saved, rule, in_dtype, rec = entry
-    fp8_hook.exit_module(saved[3])  # fp8 (#14)
+    fp8.exit_rule(saved[3])
     dev = rec.device_type
     torch.set_autocast_enabled(dev, saved[0])
     torch.set_autocast_dtype(dev, saved[1])
@@ -355,7 +346,7 @@ def acquire_global_hooks(post: bool = False) -> None:
 
     The forward pre-hook names and binds modules; the forward post-hook, needed only by the dtype
     report, keeps the stack of module names. Handles are created once and re-inserted, since
-    creating hook handles costs more than the hooks themselves on a small model.
+    creating hook handles is dearer than running the hooks on a small model.
 
     Example:
         >>> acquire_global_hooks(); release_global_hooks()

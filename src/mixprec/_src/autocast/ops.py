@@ -1,0 +1,180 @@
+"""Op rules: a narrowly scoped ``TorchFunctionMode``, and their replay in checkpoint recomputation.
+
+The mode is pushed only while op rules are active. It matches public Python functions by name
+(``torch.x``, ``torch.nn.functional.x``, ``Tensor.x``), casts above autograd (so casts are
+differentiable, as native autocast's are) and runs the call with native autocast off for the
+region's device. Calls made inside a Python function it intercepted, and ops inside natively
+wrapped composites, are not seen (see docs/autocast.md).
+
+**Replay.** ``torch.utils.checkpoint`` recomputes a function in backward, outside the region,
+restoring native autocast but not this mode, so a recompute would run the ops without their rules
+(non-reentrant checkpoint then fails its metadata check; reentrant checkpoint silently computes
+different gradients). When an op rule applies inside a checkpointed forward, the mode wraps that
+checkpoint's recompute function so that it runs under the same rule table. Module rules need no
+wrapper: their per-module hooks replay themselves (:mod:`.modules`).
+
+This reads two private parts of ``torch.utils.checkpoint`` (torch 2.13): the
+``_CheckpointFrame`` that the non-reentrant forward's saved-tensor hook closes over (its
+``recompute_fn``) and the ``ctx.run_function`` of the reentrant ``CheckpointFunction``. If a
+torch release moves them, :func:`current_checkpoint` finds nothing and the recompute tests fail.
+"""
+
+from __future__ import annotations
+
+import sys
+from collections.abc import Callable, Mapping
+from typing import Any
+
+import torch
+import torch.utils.checkpoint as _ckpt
+from torch.overrides import TorchFunctionMode
+
+from mixprec._src.autocast.casting import (
+    cast_tree,
+    cast_value,
+    first_floating_dtype,
+    promote_dtype,
+    run_without_autocast,
+)
+from mixprec._src.autocast.rules import Rule
+
+# ---------------------------------------------------------------- checkpoint replay
+_FRAME_TYPE: type | None = getattr(_ckpt, "_CheckpointFrame", None)
+_REENTRANT_FORWARD = getattr(getattr(_ckpt, "CheckpointFunction", None), "forward", None)
+_REENTRANT_CODE = getattr(_REENTRANT_FORWARD, "__code__", None)
+_REPLAYS = "_mixprec_replays"  # attribute of a wrapper: the tables it replays
+
+Target = tuple[Any, str]  # (object, attribute holding the recompute function)
+
+
+def current_checkpoint() -> Target | None:
+    """The checkpoint whose forward is running now (the innermost), or None.
+
+    Example:
+        >>> current_checkpoint() is None
+        True
+
+    Host sync: none.
+    """
+    hooks = torch._C._autograd._top_saved_tensors_default_hooks(False)
+    if hooks is not None and _FRAME_TYPE is not None:  # non-reentrant forward (or other hooks)
+        for cell in getattr(hooks[0], "__closure__", None) or ():
+            if isinstance(cell.cell_contents, _FRAME_TYPE):
+                return cell.cell_contents, "recompute_fn"
+        return None
+    if torch.is_grad_enabled() or _REENTRANT_CODE is None:
+        return None
+    frame = sys._getframe(1)  # reentrant checkpoint runs its forward under no_grad
+    while frame is not None:
+        if frame.f_code is _REENTRANT_CODE:
+            ctx = frame.f_locals.get("ctx")
+            return None if ctx is None else (ctx, "run_function")
+        frame = frame.f_back  # type: ignore[assignment]
+    return None
+
+
+def replay_in(target: Target, table: Mapping[str, Rule], device_type: str) -> None:
+    """Make the checkpoint ``target`` recompute under the op rules ``table`` (once per table).
+
+    Example:
+        >>> class Holder:
+        ...     run_function = staticmethod(lambda: torch.exp(torch.zeros(1)).dtype)
+        >>> h = Holder()
+        >>> replay_in((h, "run_function"), {"exp": Rule("low")}, "cpu")
+        >>> with torch.autocast("cpu", torch.bfloat16):
+        ...     h.run_function()
+        torch.bfloat16
+
+    Host sync: none.
+    """
+    owner, attr = target
+    fn = getattr(owner, attr)
+    replays = getattr(fn, _REPLAYS, ())
+    if any(t is table for t, _ in replays):
+        return
+
+    def recompute(*args: Any, **kwargs: Any) -> Any:
+        with OpRuleMode(table, device_type):
+            return fn(*args, **kwargs)
+
+    setattr(recompute, _REPLAYS, (*replays, (table, device_type)))
+    setattr(owner, attr, recompute)
+
+
+# ---------------------------------------------------------------- the op rule mode
+def apply_op_rule(
+    func: Callable[..., Any],
+    rule: Rule,
+    device_type: str,
+    args: tuple[Any, ...],
+    kwargs: dict[str, Any],
+) -> Any:
+    """Run ``func`` under ``rule``: cast eligible inputs, autocast off inside, cast the output.
+
+    Example:
+        >>> import torch
+        >>> from mixprec import Rule
+        >>> from mixprec._src.autocast.ops import apply_op_rule
+        >>> x = torch.ones(2, dtype=torch.bfloat16)
+        >>> apply_op_rule(torch.exp, Rule("fp32"), "cpu", (x,), {}).dtype
+        torch.float32
+
+    Host sync: none.
+    """
+    low = torch.get_autocast_dtype(device_type)
+    in_dtype = first_floating_dtype(args, kwargs)
+    if rule.compute == "promote":
+        target = promote_dtype(args, kwargs, device_type)
+    else:
+        target = rule.compute_dtype(low)
+    if target is not None:
+        args, kwargs = cast_tree(args, kwargs, device_type, target)
+    out = run_without_autocast(device_type, func, *args, **kwargs)
+    out_dtype = rule.output_dtype(low, in_dtype)
+    if out_dtype is not None:
+        out = cast_value(out, device_type, out_dtype)
+    return out
+
+
+class OpRuleMode(TorchFunctionMode):
+    """Applies a name -> rule table to torch function calls while native autocast is on.
+
+    Args:
+        table: Python op name (``"softmax"``) -> rule.
+        device_type: the region's device type.
+
+    Example:
+        >>> import torch
+        >>> from mixprec import Rule
+        >>> from mixprec._src.autocast.ops import OpRuleMode
+        >>> mode = OpRuleMode({"mm": Rule("fp32")}, "cpu")
+        >>> with torch.autocast("cpu", dtype=torch.bfloat16), mode:
+        ...     torch.mm(torch.ones(2, 2), torch.ones(2, 2)).dtype
+        torch.float32
+
+    Host sync: none.
+    """
+
+    def __init__(self, table: Mapping[str, Rule], device_type: str) -> None:
+        super().__init__()
+        self.table = table
+        self.device_type = device_type
+        # The checkpoint whose forward creates this mode (its recompute creates it again).
+        self.home = None if torch.compiler.is_compiling() else current_checkpoint()
+
+    def __torch_function__(
+        self,
+        func: Callable[..., Any],
+        types: Any,
+        args: tuple[Any, ...] = (),
+        kwargs: dict[str, Any] | None = None,
+    ) -> Any:
+        kwargs = kwargs or {}
+        rule = self.table.get(getattr(func, "__name__", ""))
+        if rule is None or not torch.is_autocast_enabled(self.device_type):
+            return func(*args, **kwargs)
+        if not torch.compiler.is_compiling():  # compiled graphs recompute as traced
+            target = current_checkpoint()
+            if target is not None and (self.home is None or target[0] is not self.home[0]):
+                replay_in(target, self.table, self.device_type)
+        return apply_op_rule(func, rule, self.device_type, args, kwargs)
