@@ -32,6 +32,10 @@ class DeviceCaps:
         fp8_scaled_mm: ``torch._scaled_mm`` is a fast kernel here (on the CPU it is oneDNN's
             reference kernel, thousands of times slower than emulation: never use it there).
             Whether a given device of this type supports fp8 is a further runtime check.
+        block_scaled_mm: ``torch.nn.functional.scaled_mm`` takes block scales here (MXFP8's
+            1x32 E8M0 scales, NVFP4's 1x16 E4M3 scales with a tensor scale, 1x128 and 128x128
+            fp32 scales) as a fast kernel. Which of them a given device runs is a further
+            runtime check (its compute capability); the others take the emulated path.
         wide_float: the widest float dtype worth accumulating in (norms, sums, ``1/scale``).
         autocast_key: the name of native autocast's dispatch key for this type, if any.
         host_memory: tensors live in host memory, so reading one on the host costs no
@@ -50,6 +54,7 @@ class DeviceCaps:
     amp_kernels: bool = False
     fused_optimizers: bool = False
     fp8_scaled_mm: bool = False
+    block_scaled_mm: bool = False
     wide_float: torch.dtype = torch.float64
     autocast_key: str | None = None
     host_memory: bool = False
@@ -76,6 +81,7 @@ _TABLE: dict[str, DeviceCaps] = {
         amp_kernels=True,
         fused_optimizers=True,
         fp8_scaled_mm=True,
+        block_scaled_mm=True,
         autocast_key="AutocastCUDA",
         collective_backend="nccl",
     ),
