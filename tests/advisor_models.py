@@ -95,3 +95,124 @@ def not_a_model() -> Any:
 
 
 NOT_CALLABLE = 3
+
+
+# nanoGPT's model.py pattern, written for these tests: its own LayerNorm class over
+# F.layer_norm, a ModuleDict with a ModuleList of blocks, lm_head tied to the token embedding.
+
+
+class BiasLayerNorm(nn.Module):
+    """A LayerNorm with an optional bias (nanoGPT's own class, over ``F.layer_norm``)."""
+
+    def __init__(self, width: int, bias: bool = True) -> None:
+        super().__init__()
+        self.weight = nn.Parameter(torch.ones(width))
+        self.bias = nn.Parameter(torch.zeros(width)) if bias else None
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return F.layer_norm(x, self.weight.shape, self.weight, self.bias, 1e-5)
+
+
+class NanoAttention(nn.Module):
+    """Causal self-attention with one fused qkv projection (``c_attn``) and ``c_proj``."""
+
+    def __init__(self, width: int, heads: int) -> None:
+        super().__init__()
+        self.heads = heads
+        self.c_attn = nn.Linear(width, 3 * width)
+        self.c_proj = nn.Linear(width, width)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        b, t, c = x.shape
+        q, k, v = (
+            part.view(b, t, self.heads, c // self.heads).transpose(1, 2)
+            for part in self.c_attn(x).split(c, dim=2)
+        )
+        y = F.scaled_dot_product_attention(q, k, v, is_causal=True)
+        return self.c_proj(y.transpose(1, 2).contiguous().view(b, t, c))
+
+
+class TorchAttention(nn.Module):
+    """The same block's attention through ``nn.MultiheadAttention`` (a causal mask)."""
+
+    def __init__(self, width: int, heads: int) -> None:
+        super().__init__()
+        self.mha = nn.MultiheadAttention(width, heads, batch_first=True)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        t = x.shape[1]
+        mask = torch.ones(t, t, dtype=torch.bool, device=x.device).triu(1)
+        return self.mha(x, x, x, attn_mask=mask, need_weights=False)[0]
+
+
+class NanoMLP(nn.Module):
+    def __init__(self, width: int) -> None:
+        super().__init__()
+        self.c_fc = nn.Linear(width, 4 * width)
+        self.c_proj = nn.Linear(4 * width, width)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.c_proj(F.gelu(self.c_fc(x)))
+
+
+class NanoBlock(nn.Module):
+    def __init__(self, width: int, heads: int, torch_attention: bool) -> None:
+        super().__init__()
+        self.ln_1 = BiasLayerNorm(width)
+        attention = TorchAttention if torch_attention else NanoAttention
+        self.attn = attention(width, heads)
+        self.ln_2 = BiasLayerNorm(width)
+        self.mlp = NanoMLP(width)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        x = x + self.attn(self.ln_1(x))
+        return x + self.mlp(self.ln_2(x))
+
+
+class NanoGPT(nn.Module):
+    """``transformer`` (a ModuleDict: wte, wpe, drop, h, ln_f) and a tied ``lm_head``."""
+
+    def __init__(
+        self,
+        vocab: int = 256,
+        width: int = 64,
+        depth: int = 2,
+        heads: int = 4,
+        seq: int = 32,
+        torch_attention: bool = False,
+    ) -> None:
+        super().__init__()
+        self.transformer = nn.ModuleDict(
+            {
+                "wte": nn.Embedding(vocab, width),
+                "wpe": nn.Embedding(seq, width),
+                "drop": nn.Dropout(0.1),
+                "h": nn.ModuleList(NanoBlock(width, heads, torch_attention) for _ in range(depth)),
+                "ln_f": BiasLayerNorm(width),
+            }
+        )
+        self.lm_head = nn.Linear(width, vocab, bias=False)
+        self.transformer.wte.weight = self.lm_head.weight  # tied, as nanoGPT does
+
+    def forward(self, idx: torch.Tensor) -> torch.Tensor:
+        t = idx.shape[1]
+        x = self.transformer.wte(idx) + self.transformer.wpe(torch.arange(t, device=idx.device))
+        x = self.transformer.drop(x)
+        for block in self.transformer.h:
+            x = block(x)
+        return self.lm_head(self.transformer.ln_f(x))
+
+
+def next_token(model: nn.Module, batch: Any) -> torch.Tensor:
+    idx, targets = batch
+    logits = model(idx)
+    return F.cross_entropy(logits.float().flatten(0, 1), targets.flatten())
+
+
+def nano_task(seed: int = 0, torch_attention: bool = False) -> tuple[nn.Module, Any, Any]:
+    """(model, batch, loss function) of a nanoGPT-style model and generated tokens."""
+    torch.manual_seed(seed)
+    model = NanoGPT(torch_attention=torch_attention)
+    gen = torch.Generator().manual_seed(seed + 1)
+    tokens = torch.randint(0, 256, (8, 33), generator=gen)
+    return model, (tokens[:, :-1], tokens[:, 1:]), next_token

@@ -2,23 +2,26 @@
 
 from __future__ import annotations
 
-import math
 from collections.abc import Callable, Sequence
 from typing import Any
 
 import torch
 from torch import nn
 
-from mixprec._src.advisor import measure
-from mixprec._src.advisor.candidates import Candidate, high_word, parse_candidates, region_dtype
-from mixprec._src.advisor.engine import Engine, Job, Progress, Target, propose_scale
-from mixprec._src.advisor.metrics import db_to_ratio
-from mixprec._src.advisor.propose import Choice, Option, Proposal, build_policy, search
-from mixprec._src.advisor.report import Advice, Fp16Range, Measurement, ModuleAdvice
+from mixprec._src.advisor.candidates import Candidate, parse_candidates, region_dtype
+from mixprec._src.advisor.checks import (
+    check_args,
+    check_float32,
+    check_loss_signature,
+    check_served,
+    device_of,
+)
+from mixprec._src.advisor.engine import Engine, Job, Progress, Target
+from mixprec._src.advisor.flow import Goal, run
+from mixprec._src.advisor.gpus import get_gpu
+from mixprec._src.advisor.report import Advice
 from mixprec._src.advisor.select import select
 from mixprec._src.advisor.state import Guard
-from mixprec._src.autocast.rules import format_dtype
-from mixprec._src.fp8 import hook as fp8_hook
 from mixprec.errors import ConfigError
 
 LossFn = Callable[[nn.Module, Any], torch.Tensor]
@@ -36,6 +39,8 @@ def advise(
     more_batches: Sequence[Any] = (),
     check: bool = False,
     progress: Progress | None = None,
+    gpu: str | None = None,
+    objective: str = "fewest_kept",
 ) -> Advice:
     """Measure each module's error in each candidate precision and propose a :class:`Policy`.
 
@@ -64,9 +69,16 @@ def advise(
             whose every candidate gives inf/NaN are kept.
         modules: what to measure: qualified-name globs or ``nn.Module`` classes (default: every
             leaf module with trainable parameters except norms and embeddings).
-        more_batches: further batches; every pass runs over all of them.
+        more_batches: a list of further batches; every pass runs over all of them.
         check: apply the proposal and measure its real SQNR (one more pass).
         progress: called as ``progress(done, total, label)`` after every pass.
+        gpu: a GPU for the speed model (``"h100"``, ``"h200"``, ``"h200-nvl"``,
+            ``"b200"``, ``"b300"``): each module's predicted time per candidate (its three
+            GEMMs and casts, for the shapes of ``batch``) and the step's predicted speedup
+            against bf16 (docs/advisor.md says how it is modelled).
+        objective: what the search minimises once ``min_sqnr`` is met: ``"fewest_kept"``
+            (default: the fewest modules kept, the cheapest candidates) or ``"speed"`` (the
+            fastest policy on ``gpu``; needs a ``gpu``).
 
     Returns:
         An :class:`~mixprec.types.Advice`: the policy, the region dtype, a suggested
@@ -74,8 +86,9 @@ def advise(
         ``table()``, ``plot()`` and ``to_json()``.
 
     Raises:
-        ConfigError: a bad argument, a loss function that does not return a scalar loss that
-            requires grad, a float32 reference with inf/NaN gradients.
+        ConfigError: a bad argument (before any pass), a model with 16-bit parameters, a loss
+            function that cannot be called as ``loss_fn(model, batch)`` or does not return a
+            scalar loss that requires grad, a float32 reference with inf/NaN gradients.
 
     Example:
         >>> import torch, mixprec
@@ -91,149 +104,21 @@ def advise(
 
     Host sync: many (every pass reads its figures back to the host).
     """
-    _check_args(model, loss_fn, min_sqnr, keep_at_most, check)
-    device = _device_of(model)
+    check_args(model, loss_fn, (min_sqnr, keep_at_most), (check, more_batches, progress), objective)
+    spec = None if gpu is None else get_gpu(gpu)
+    if objective == "speed" and spec is None:
+        raise ConfigError('objective="speed" needs a GPU to predict for, e.g. gpu="h100"')
+    check_float32(model)
+    check_loss_signature(loss_fn, model, batch)
+    device = device_of(model)
     cands = parse_candidates(candidates, device.type)
-    region = region_dtype(cands)
     chosen = select(model, modules)
-    job = Job(model, [batch, *more_batches], loss_fn, device, cands, region, progress)
+    check_served(cands, chosen)
+    job = Job(model, [batch, *more_batches], loss_fn, device, cands, region_dtype(cands), progress)
     job.total_passes = _count_passes(cands, chosen, check)
-    _check_served(cands, chosen)
+    goal = Goal(min_sqnr, keep_at_most, objective, spec, check)
     with Guard(model, device) as guard:
-        engine = Engine(job, guard)
-        targets = _targets(chosen, guard.params)
-        return _advise(engine, targets, min_sqnr, keep_at_most, check)
-
-
-def _advise(
-    engine: Engine,
-    targets: list[Target],
-    min_sqnr: float | None,
-    keep_at_most: int | None,
-    check: bool,
-) -> Advice:
-    job = engine.job
-    targets, notes = _reference(engine, targets)
-    ranges = _fp16_ranges(engine, targets)
-    found = {
-        t.name: [measure.isolated(engine, t, c) for c in job.candidates if c.serves(t.module)]
-        for t in targets
-    }
-    region_word, names = format_dtype(job.region), [t.name for t in targets]
-    islands = build_policy(job.model, dict.fromkeys(names, "fp32"), region_word, names)
-    region_sqnr = measure.with_policy(engine, "region, measured modules in fp32", islands)
-    proposal, kept = _search(engine, targets, found, ranges, region_sqnr, (min_sqnr, keep_at_most))
-    picked = {c.name: c.current.word for c in proposal.choices}
-    policy = build_policy(job.model, picked, region_word, names)
-    measured = measure.with_policy(engine, "check: proposal applied", policy) if check else None
-    return Advice(
-        policy=policy,
-        dtype=job.region,
-        device_type=job.device.type,
-        init_scale=engine.scale if _uses_fp16(job) else None,
-        kept_precision=high_word(job.candidates, job.region),
-        modules=tuple(_module_advice(t, found, ranges, proposal, kept) for t in targets),
-        candidates=tuple(c.word for c in job.candidates),
-        min_sqnr=min_sqnr,
-        keep_at_most=keep_at_most,
-        met=proposal.met,
-        predicted_sqnr=proposal.predicted,
-        region_sqnr=region_sqnr,
-        measured_sqnr=measured,
-        mode="exact",
-        passes=engine.passes,
-        notes=tuple(notes + proposal.notes),
-    )
-
-
-def _reference(engine: Engine, targets: list[Target]) -> tuple[list[Target], list[str]]:
-    """The float32 pass; the targets that ran, in the order they first ran, and notes."""
-    engine.run_reference(targets)
-    notes = [
-        f"{t.name} did not run in forward; not measured" for t in targets if not t.record.calls
-    ]
-    ran = sorted((t for t in targets if t.record.calls), key=lambda t: t.record.first_call)
-    return ran, notes
-
-
-def _uses_fp16(job: Job) -> bool:
-    return job.region == torch.float16 or any(c.is_fp16 for c in job.candidates)
-
-
-def _fp16_ranges(engine: Engine, targets: list[Target]) -> dict[str, Fp16Range | None]:
-    """With float16 in play: the proposed loss scale (every later pass uses it) and each
-    target's range figures; else no figures and no scale."""
-    if not _uses_fp16(engine.job):
-        return dict.fromkeys((t.name for t in targets), None)
-    engine.scale = propose_scale(targets, engine.reference)
-    return {t.name: measure.fp16_range(t, engine.reference, engine.scale) for t in targets}
-
-
-def _search(
-    engine: Engine,
-    targets: list[Target],
-    found: dict[str, list[Measurement]],
-    ranges: dict[str, Fp16Range | None],
-    region_sqnr: float,
-    target: tuple[float | None, int | None],
-) -> tuple[Proposal, dict[str, Measurement]]:
-    """The search; when kept modules run in the region's 16-bit dtype (around fp8), each kept
-    module is measured in it too and the search is redone with those figures."""
-    job = engine.job
-    high = high_word(job.candidates, job.region)
-    kept_cand = None if high == "fp32" else Candidate(high, job.region)
-    kept: dict[str, Measurement] = {}
-    while True:
-        choices = [_choice(t.name, found[t.name], ranges[t.name], high, kept) for t in targets]
-        proposal = search(choices, db_to_ratio(region_sqnr), *target)
-        missing = [
-            t
-            for t, c in zip(targets, proposal.choices, strict=True)
-            if c.kept and t.name not in kept
-        ]
-        if kept_cand is None or not missing:
-            return proposal, kept
-        job.total_passes += len(missing)
-        kept.update({t.name: measure.isolated(engine, t, kept_cand) for t in missing})
-
-
-def _option(m: Measurement) -> Option:
-    return Option(
-        m.candidate, db_to_ratio(m.model_grad_sqnr) if m.finite else math.inf, m.model_grad_sqnr
-    )
-
-
-def _choice(
-    name: str,
-    found: list[Measurement],
-    fp16: Fp16Range | None,
-    high: str,
-    kept: dict[str, Measurement],
-) -> Choice:
-    last = _option(kept[name]) if name in kept else Option(high, 0.0, math.inf)
-    options = [_option(m) for m in found] + [last]
-    return Choice(name, options, detail=measure.overflow_detail(fp16))
-
-
-def _module_advice(
-    t: Target,
-    found: dict[str, list[Measurement]],
-    ranges: dict[str, Fp16Range | None],
-    proposal: Proposal,
-    kept: dict[str, Measurement],
-) -> ModuleAdvice:
-    choice = next(c for c in proposal.choices if c.name == t.name)
-    return ModuleAdvice(
-        name=t.name,
-        kind=type(t.module).__name__,
-        params=sum(p.numel() for p in t.module.parameters()),
-        calls=t.record.calls,
-        measurements=tuple(found[t.name]),
-        fp16=ranges[t.name],
-        choice=choice.current.word,
-        reason=choice.reason,
-        kept_measurement=kept.get(t.name),
-    )
+        return run(Engine(job, guard), _targets(chosen, guard.params), goal)
 
 
 def _targets(chosen: list[tuple[str, nn.Module]], params: list[nn.Parameter]) -> list[Target]:
@@ -247,43 +132,3 @@ def _targets(chosen: list[tuple[str, nn.Module]], params: list[nn.Parameter]) ->
 def _count_passes(cands: list[Candidate], chosen: list[tuple[str, nn.Module]], check: bool) -> int:
     isolated = sum(c.serves(m) for c in cands for _, m in chosen)
     return 1 + isolated + 1 + int(check)  # kept modules measured in bf16 around fp8 add more
-
-
-def _check_served(cands: list[Candidate], chosen: list[tuple[str, nn.Module]]) -> None:
-    for cand in cands:
-        if not any(cand.serves(m) for _, m in chosen):
-            names = ", ".join(f"{n} ({type(m).__name__})" for n, m in chosen[:8])
-            raise ConfigError(
-                f"candidate {cand.word!r} serves {fp8_hook.SERVES}; none of the measured "
-                f"modules is one: {names}{', ...' if len(chosen) > 8 else ''}"
-            )
-
-
-def _device_of(model: nn.Module) -> torch.device:
-    for tensor in (*model.parameters(), *model.buffers()):
-        return tensor.device
-    return torch.device("cpu")
-
-
-def _check_args(
-    model: object, loss_fn: object, min_sqnr: object, keep_at_most: object, check: object
-) -> None:
-    if not isinstance(model, nn.Module):
-        raise ConfigError(f"model must be a torch.nn.Module, got {type(model).__name__}")
-    if not callable(loss_fn):
-        raise ConfigError(
-            f"loss_fn must be callable as loss_fn(model, batch) -> loss, got "
-            f"{type(loss_fn).__name__}"
-        )
-    if min_sqnr is not None and (
-        isinstance(min_sqnr, bool)
-        or not isinstance(min_sqnr, (int, float))
-        or not math.isfinite(min_sqnr)
-    ):
-        raise ConfigError(f"min_sqnr must be a finite number of dB or None, got {min_sqnr!r}")
-    if keep_at_most is not None and (
-        isinstance(keep_at_most, bool) or not isinstance(keep_at_most, int) or keep_at_most < 0
-    ):
-        raise ConfigError(f"keep_at_most must be an int >= 0 or None, got {keep_at_most!r}")
-    if not isinstance(check, bool):
-        raise ConfigError(f"check must be True or False, got {check!r}")

@@ -18,9 +18,11 @@ import torch
 from torch import nn
 
 from mixprec._src.advisor.candidates import Candidate
+from mixprec._src.advisor.checks import LOSS_FORM
 from mixprec._src.advisor.metrics import FP16_MAX, Power
 from mixprec._src.advisor.state import Guard
 from mixprec._src.advisor.taps import Record, Tap, around, attached
+from mixprec._src.advisor.timing import FlopCount, counting
 from mixprec.errors import ConfigError
 
 #: Powers of two of headroom between the largest reference gradient times the proposed initial
@@ -75,17 +77,21 @@ class Engine:
         taps: Sequence[Tap] = (),
         isolate: tuple[nn.Module, Callable[[], AbstractContextManager[Any]]] | None = None,
         region: Callable[[], AbstractContextManager[Any]] | None = None,
+        outer: AbstractContextManager[Any] | None = None,
     ) -> list[torch.Tensor | None]:
-        """One forward+backward pass over every batch; returns the unscaled gradients."""
+        """One forward+backward pass over every batch (inside ``outer``, if given); returns the
+        unscaled gradients."""
         self.guard.reset()
         with ExitStack() as stack:
             stack.enter_context(torch.enable_grad())
             stack.enter_context(attached(list(taps)))
             if isolate is not None:
                 stack.enter_context(around(*isolate))
+            if outer is not None:
+                stack.enter_context(outer)
             for batch in self.job.batches:
                 with region() if region is not None else ExitStack():
-                    loss = _checked_loss(self.job.loss_fn(self.job.model, batch))
+                    loss = _checked_loss(self._loss(batch))
                 (loss.float() * self.scale).backward()
         grads = self.guard.take_grads()
         self.passes += 1
@@ -95,10 +101,36 @@ class Engine:
             return grads
         return [None if g is None else g.float() / self.scale for g in grads]
 
-    def run_reference(self, targets: Sequence[Target]) -> None:
-        """The float32 pass: records every target; raises if it is not finite."""
+    def _loss(self, batch: Any) -> Any:
+        """``loss_fn(model, batch)``; in the first pass, an error raised before the model ran
+        means the function is not of that form (``F.mse_loss(output, target)``)."""
+        if self.passes:
+            return self.job.loss_fn(self.job.model, batch)
+        ran: list[bool] = []
+        ours = {id(m) for m in self.job.model.modules()}
+
+        def seen(module: nn.Module, args: Any) -> None:
+            if id(module) in ours:
+                ran.append(True)
+
+        handle = nn.modules.module.register_module_forward_pre_hook(seen)
+        try:
+            return self.job.loss_fn(self.job.model, batch)
+        except Exception as exc:
+            if ran:
+                raise
+            raise ConfigError(
+                f"loss_fn(model, batch) raised {type(exc).__name__}: {exc} before calling the "
+                f"model; {LOSS_FORM}"
+            ) from exc
+        finally:
+            handle.remove()
+
+    def run_reference(self, targets: Sequence[Target], flops: FlopCount | None = None) -> None:
+        """The float32 pass: records every target (and counts the matmul FLOP into ``flops``);
+        raises if it is not finite."""
         taps = [Tap(t.module) for t in targets]
-        grads = self.run("float32 reference", taps)
+        grads = self.run("float32 reference", taps, outer=counting(flops))
         for target, tap in zip(targets, taps, strict=True):
             target.record = tap.record
         bad = [

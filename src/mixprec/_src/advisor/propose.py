@@ -29,11 +29,14 @@ from mixprec.errors import ConfigError
 
 @dataclass
 class Option:
-    """One precision a module can run in: its rule word and its error power ratio alone."""
+    """One precision a module can run in: its rule word, its error power ratio alone, and its
+    predicted time on the target GPU (seconds; 0 without a target or a GEMM, inf where the
+    target cannot run it)."""
 
     word: str
     ratio: float
     db: float
+    time: float = 0.0
 
 
 @dataclass
@@ -87,15 +90,17 @@ def search(
     elif ratio_to_db(region_ratio + _kept_noise(forced)) >= min_sqnr:  # else out of reach
         _keep(_fewest_kept(free, region_ratio + _kept_noise(forced), min_sqnr, limit - len(forced)))
         _upgrade(choices, region_ratio, min_sqnr)
-    predicted = _predicted(choices, region_ratio)
+    predicted = predicted_db(choices, region_ratio)
     kept = sum(c.kept for c in choices)
     met = (min_sqnr is None or predicted >= min_sqnr) and kept <= limit
     for c in choices:
         c.reason = _reason(c)
-    return Proposal(choices, predicted, met, _notes(predicted, region_ratio, kept, min_sqnr, limit))
+    notes = notes_for(predicted, region_ratio, kept, min_sqnr, limit, len(forced))
+    return Proposal(choices, predicted, met, notes)
 
 
-def _predicted(choices: Sequence[Choice], region_ratio: float) -> float:
+def predicted_db(choices: Sequence[Choice], region_ratio: float) -> float:
+    """The predicted whole-model gradient SQNR of the choices as they stand."""
     return ratio_to_db(region_ratio + sum(c.current.ratio for c in choices))
 
 
@@ -130,7 +135,7 @@ def _fewest_kept(free: list[Choice], base: float, min_sqnr: float, room: float) 
 def _upgrade(choices: list[Choice], region_ratio: float, min_sqnr: float) -> None:
     """From the cheapest candidates, make the move that removes the most error until the
     target is met (kept modules stay kept)."""
-    while _predicted(choices, region_ratio) < min_sqnr:
+    while predicted_db(choices, region_ratio) < min_sqnr:
         best: tuple[Choice, int] | None = None
         best_gain = 0.0
         for c in choices:
@@ -172,14 +177,21 @@ def _db(db: float) -> str:
     return "no error" if db == math.inf else f"{db:.1f} dB"
 
 
-def _notes(
-    predicted: float, region_ratio: float, kept: int, min_sqnr: float | None, limit: float
+def notes_for(
+    predicted: float,
+    region_ratio: float,
+    kept: int,
+    min_sqnr: float | None,
+    limit: float,
+    forced: int,
 ) -> list[str]:
+    """What the report says about the search's outcome (``forced``: modules kept because every
+    candidate gave inf/NaN)."""
     notes = []
     if kept > limit:
         notes.append(
-            f"{kept} modules have no finite candidate and are kept, more than "
-            f"keep_at_most={int(limit)}"
+            f"{forced} modules give inf/NaN in every candidate and are kept: {kept} kept, more "
+            f"than keep_at_most={int(limit)}"
         )
     if min_sqnr is not None and predicted < min_sqnr:
         region_db = ratio_to_db(region_ratio)

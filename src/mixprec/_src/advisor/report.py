@@ -10,6 +10,7 @@ from typing import Any
 
 import torch
 
+from mixprec._src.advisor.speed import Time
 from mixprec._src.autocast.policy import Policy
 from mixprec._src.autocast.rules import format_dtype
 from mixprec._src.fp8.stats import Fp8ModuleStats
@@ -30,6 +31,9 @@ class Measurement:
         weight_grad_sqnr: SQNR of the gradient of the module's own parameters (None: none).
         fp8: for an fp8 candidate, the module's fp8 cast statistics per operand (amax, scale,
             saturated and flushed fractions, non-finite count), else None.
+        time: with a ``gpu``, the module's predicted time per step in this candidate on
+            that GPU (its three GEMMs and its casts); None without a GPU, for a module
+            without a GEMM, or where the GPU cannot run the candidate.
     """
 
     candidate: str
@@ -38,6 +42,7 @@ class Measurement:
     input_grad_sqnr: float | None
     weight_grad_sqnr: float | None
     fp8: Fp8ModuleStats | None = None
+    time: Time | None = None
 
     @property
     def finite(self) -> bool:
@@ -83,6 +88,9 @@ class ModuleAdvice:
         reason: why, in a few words.
         kept_measurement: when the module is kept in the region's 16-bit dtype (around fp8
             candidates), its measurement in that dtype, which the prediction includes.
+        served: whether any candidate can serve the module (fp8 recipes serve ``nn.Linear``);
+            an unserved module gets no rule and runs as the region runs it: it is not kept.
+        kept_time: with a ``gpu``, its predicted time in the kept precision.
     """
 
     name: str
@@ -94,6 +102,21 @@ class ModuleAdvice:
     choice: str
     reason: str
     kept_measurement: Measurement | None = None
+    served: bool = True
+    kept_time: Time | None = None
+
+    @property
+    def time(self) -> Time | None:
+        """Its predicted time in the proposal (None without a GPU). Host sync: none."""
+        if not self.served or self.choice not in self.candidates:
+            return self.kept_time
+        chosen = self.measurement(self.choice)
+        return None if chosen is None else chosen.time
+
+    @property
+    def candidates(self) -> tuple[str, ...]:
+        """The candidates measured on it. Host sync: none."""
+        return tuple(m.candidate for m in self.measurements)
 
     def measurement(self, candidate: str) -> Measurement | None:
         """The measurement for ``candidate`` (None if that candidate cannot serve the module).
@@ -101,6 +124,33 @@ class ModuleAdvice:
         Host sync: none.
         """
         return next((m for m in self.measurements if m.candidate == candidate), None)
+
+
+@dataclass(frozen=True)
+class StepTime:
+    """The predicted time of a training step's matmuls on a GPU.
+
+    Attributes:
+        gpu: the GPU's name.
+        baseline: seconds with every measured module in the region's 16-bit dtype (bf16).
+        proposal: seconds with the proposal.
+        gemms: of ``proposal``, the measured modules' GEMMs.
+        casts: of ``proposal``, their casts (fp8 operands, the inputs of fp32 islands).
+        other: the step's other matmuls (attention, functional matmuls) in 16-bit, in both;
+            elementwise ops, norms, the optimizer and communication are not modelled.
+    """
+
+    gpu: str
+    baseline: float
+    proposal: float
+    gemms: float
+    casts: float
+    other: float
+
+    @property
+    def speedup(self) -> float:
+        """``baseline / proposal``. Host sync: none."""
+        return self.baseline / self.proposal if self.proposal > 0 else 1.0
 
 
 @dataclass(frozen=True)
@@ -129,6 +179,10 @@ class Advice:
         mode: ``"exact"`` or ``"estimate"``.
         passes: forward+backward passes over the batches that the advice took.
         notes: anything else worth knowing (modules that did not run, an unmet target).
+        gpu: the GPU the speed model predicted for (``"h100"``, ...), or None.
+        objective: ``"fewest_kept"`` or ``"speed"`` (what the search chose by).
+        step: with a GPU, the predicted time of the step's matmuls, proposal against
+            bf16, and where it goes; else None.
     """
 
     policy: Policy
@@ -147,11 +201,15 @@ class Advice:
     mode: str
     passes: int
     notes: tuple[str, ...] = field(default=())
+    gpu: str | None = None
+    objective: str = "fewest_kept"
+    step: StepTime | None = None
 
     @property
     def kept(self) -> tuple[str, ...]:
-        """Names of the modules kept out of every candidate. Host sync: none."""
-        return tuple(m.name for m in self.modules if m.choice == self.kept_precision)
+        """Names of the modules kept out of every candidate (modules that no candidate can
+        serve are not kept: they get no rule). Host sync: none."""
+        return tuple(m.name for m in self.modules if m.served and m.choice == self.kept_precision)
 
     def table(self) -> str:
         """The report as a text table (module, size, figures per candidate, decision, why).
@@ -185,6 +243,9 @@ class Advice:
                 "mode": self.mode,
                 "passes": self.passes,
                 "notes": list(self.notes),
+                "gpu": self.gpu,
+                "objective": self.objective,
+                "step": None if self.step is None else _step_dict(self.step),
                 "modules": [_module_dict(m) for m in self.modules],
             }
         )
@@ -227,7 +288,13 @@ def _module_dict(m: ModuleAdvice) -> dict[str, Any]:
         "measurements": [asdict(x) for x in m.measurements],
         "fp16": None if m.fp16 is None else asdict(m.fp16),
         "kept_measurement": None if m.kept_measurement is None else asdict(m.kept_measurement),
+        "served": m.served,
+        "kept_time": None if m.kept_time is None else asdict(m.kept_time),
     }
+
+
+def _step_dict(step: StepTime) -> dict[str, Any]:
+    return {**asdict(step), "speedup": step.speedup}
 
 
 def _jsonable(value: Any) -> Any:

@@ -6,6 +6,7 @@ import fnmatch
 from collections.abc import Sequence
 
 from torch import nn
+from torch.nn.utils import parametrize
 
 from mixprec.errors import ConfigError
 
@@ -26,7 +27,9 @@ def select(model: nn.Module, spec: Sequence[object] | None) -> list[tuple[str, n
     """The modules to measure: ``spec`` entries are name globs or nn.Module classes.
 
     By default: every leaf module that owns a parameter requiring grad, except normalization
-    layers and embeddings.
+    layers and embeddings; an ``nn.MultiheadAttention`` (its projections are not called as
+    modules) and a parametrized module (``weight_norm``: its weight lives in a child) count as
+    one module each.
 
     Raises:
         ConfigError: an entry matches nothing (the message lists the names), an entry of
@@ -34,7 +37,7 @@ def select(model: nn.Module, spec: Sequence[object] | None) -> list[tuple[str, n
     """
     named = [(n, m) for n, m in model.named_modules() if n]
     if spec is None:
-        chosen = [(n, m) for n, m in named if _default(m)]
+        chosen = _defaults(named)
         if not chosen:
             raise ConfigError(
                 "the model has no leaf module with trainable parameters to measure (norms and "
@@ -58,10 +61,22 @@ def select(model: nn.Module, spec: Sequence[object] | None) -> list[tuple[str, n
     return chosen
 
 
-def _default(module: nn.Module) -> bool:
-    if next(module.children(), None) is not None or isinstance(module, _SKIPPED):
-        return False
-    return any(p.requires_grad for p in module.parameters(recurse=False))
+def _defaults(named: list[tuple[str, nn.Module]]) -> list[tuple[str, nn.Module]]:
+    chosen: list[tuple[str, nn.Module]] = []
+    units: set[str] = set()
+    for name, module in named:
+        parts = name.split(".")
+        inside = any(".".join(parts[:i]) in units for i in range(1, len(parts)))
+        if inside or isinstance(module, _SKIPPED):
+            continue
+        trainable = any(p.requires_grad for p in module.parameters())
+        unit = isinstance(module, nn.MultiheadAttention) or parametrize.is_parametrized(module)
+        leaf = next(module.children(), None) is None
+        own = any(p.requires_grad for p in module.parameters(recurse=False))
+        if (unit and trainable) or (leaf and own):
+            chosen.append((name, module))
+            units.add(name)
+    return chosen
 
 
 def _matches(named: list[tuple[str, nn.Module]], entry: object) -> list[tuple[str, nn.Module]]:

@@ -4,7 +4,8 @@ The advisor runs many forward and backward passes on the user's own model (not a
 loss function that reaches the model through a closure measures the same object). :class:`Guard`
 takes the state those passes touch before the first one, resets it before every pass (so each
 pass sees the same buffers and the same random numbers, e.g. dropout masks) and puts everything
-back when it exits, also after an error.
+back when it exits, also after an error. The modules' training flags are part of that state: a
+loss function that calls ``model.train()`` leaves an eval-mode model in eval mode afterwards.
 """
 
 from __future__ import annotations
@@ -39,6 +40,7 @@ class Guard:
         self._versions: list[int] = []
         self._rng: tuple[Any, ...] = ()
         self._attrs: dict[int, dict[str, Any]] = {}
+        self._modes: list[tuple[nn.Module, bool]] = []
 
     def __enter__(self) -> Guard:
         self._grads = [p.grad for p in self.params]
@@ -49,6 +51,7 @@ class Guard:
             for name, buf in mod.named_buffers(recurse=False):
                 self._buffers.append((mod, name, buf, buf.detach().clone()))
         self._rng = _rng_state(self.device)
+        self._modes = [(m, m.training) for m in self.model.modules()]
         self._attrs = {
             id(m): {k: v for k, v in m.__dict__.items() if k.startswith(_MIXPREC_ATTR_PREFIX)}
             for m in self.model.modules()
@@ -56,11 +59,17 @@ class Guard:
         return self
 
     def reset(self) -> None:
-        """Before a pass: no gradients, the buffers and RNG state of the snapshot."""
+        """Before a pass: no gradients, the buffers, training flags and RNG state of the
+        snapshot."""
         for p in self.params:
             p.grad = None
         self._restore_buffers()
+        self._restore_modes()
         _set_rng_state(self.device, self._rng)
+
+    def _restore_modes(self) -> None:
+        for module, training in self._modes:
+            module.training = training
 
     def take_grads(self) -> list[torch.Tensor | None]:
         """After a pass: the parameters' gradients (removed from the parameters)."""
@@ -97,6 +106,7 @@ class Guard:
         for p, g in zip(self.params, self._grads, strict=True):
             p.grad = g
         self._restore_buffers()
+        self._restore_modes()
         _set_rng_state(self.device, self._rng)
         for mod in self.model.modules():
             _restore_mixprec_attrs(mod, self._attrs.get(id(mod), {}))

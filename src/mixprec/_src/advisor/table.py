@@ -1,14 +1,19 @@
-"""The advisor's report as a text table."""
+"""The advisor's report as a text table: a group header over each candidate's columns, the
+rows, a legend, the proposal, the prediction and (with a GPU) the predicted speed."""
 
 from __future__ import annotations
 
 import math
+import textwrap
 from typing import TYPE_CHECKING
 
 from mixprec._src.autocast.rules import format_dtype
 
 if TYPE_CHECKING:
     from mixprec._src.advisor.report import Advice, ModuleAdvice
+    from mixprec._src.advisor.speed import Time
+
+_OPERANDS = (("in", "input"), ("w", "weight"), ("go", "grad_output"))
 
 
 def fmt_db(value: float | None) -> str:
@@ -20,34 +25,53 @@ def fmt_db(value: float | None) -> str:
     return f"{value:.1f}"
 
 
+def fmt_us(time: Time | None) -> str:
+    """A predicted time in µs for a table cell (``-``: none)."""
+    return "-" if time is None else f"{time.total * 1e6:.3g}"
+
+
 def _pct(value: float) -> str:
     return "0" if value == 0 else f"{100 * value:.2g}%"
 
 
-def _header(advice: Advice) -> list[str]:
-    cols = ["module", "type", "params"]
-    for word in advice.candidates:
-        cols += [f"{word} model", "out", "in-grad", "w-grad"]
+def _timed(advice: Advice) -> bool:
+    return advice.gpu is not None
+
+
+def _groups(advice: Advice) -> list[tuple[str, list[str]]]:
+    """(group label, its column names), left to right."""
+    groups: list[tuple[str, list[str]]] = [("", ["module", "type", "params"])]
+    per = ["model", "out", "in-grad", "w-grad"] + (["µs"] if _timed(advice) else [])
+    groups += [(word, list(per)) for word in advice.candidates]
     if _has_fp16(advice):
-        cols += ["fp16 >max", "flush@1", "flush@scale"]
+        groups.append(("fp16 range", [">max", "flush@1", "flush@scale"]))
     if _fp8_words(advice):
-        cols += ["fp8 sat", "fp8 flush"]
-    return [*cols, "decision", "why"]
+        groups.append(("fp8 casts", ["sat", "flush"]))
+    last = ["decision"] + (["µs"] if _timed(advice) else []) + ["why"]
+    return [*groups, ("proposal", last)]
 
 
 def _fp8_words(advice: Advice) -> list[str]:
-    return [w for w in advice.candidates if w.startswith("fp8")]
+    """The candidates with fp8 cast statistics (the recipe candidates)."""
+    return [w for w in advice.candidates if any(_has_stats(m, w) for m in advice.modules)]
+
+
+def _has_stats(m: ModuleAdvice, word: str) -> bool:
+    x = m.measurement(word)
+    return x is not None and x.fp8 is not None
 
 
 def _fp8_cells(advice: Advice, m: ModuleAdvice) -> list[str]:
     """The largest saturated and flushed fractions over the module's operands and fp8
     candidates, with the operand (in, w, go: input, weight, grad_output)."""
+    if not any(_has_stats(m, w) for w in advice.candidates):
+        return ["", ""]
     worst = {"saturated": (0.0, ""), "flushed": (0.0, "")}
     for word in _fp8_words(advice):
         x = m.measurement(word)
         if x is None or x.fp8 is None:
             continue
-        for short, operand in (("in", "input"), ("w", "weight"), ("go", "grad_output")):
+        for short, operand in _OPERANDS:
             stats = getattr(x.fp8, operand)
             for key in worst:
                 if getattr(stats, key) > worst[key][0]:
@@ -61,17 +85,18 @@ def _has_fp16(advice: Advice) -> bool:
 
 def _row(advice: Advice, m: ModuleAdvice) -> list[str]:
     cells = [m.name, m.kind, f"{m.params:,}"]
+    width = 5 if _timed(advice) else 4
     for word in advice.candidates:
         x = m.measurement(word)
         if x is None:
-            cells += ["n/a", "", "", ""]
+            cells += ["n/a"] + [""] * (width - 1)
             continue
         cells += [
             fmt_db(x.model_grad_sqnr),
             fmt_db(x.output_sqnr),
             fmt_db(x.input_grad_sqnr),
             fmt_db(x.weight_grad_sqnr),
-        ]
+        ] + ([fmt_us(x.time)] if _timed(advice) else [])
     if _has_fp16(advice):
         f = m.fp16
         cells += (
@@ -81,32 +106,49 @@ def _row(advice: Advice, m: ModuleAdvice) -> list[str]:
         )
     if _fp8_words(advice):
         cells += _fp8_cells(advice, m)
-    return [*cells, m.choice, m.reason]
+    decision = m.choice if m.served else "-"
+    return [*cells, decision, *([fmt_us(m.time)] if _timed(advice) else []), m.reason]
 
 
-def _align(rows: list[list[str]]) -> list[str]:
-    widths = [max(len(r[i]) for r in rows) for i in range(len(rows[0]))]
-    lines = []
-    for r in rows:
-        cells = [
-            c.ljust(w) if i < 2 or i >= len(r) - 2 else c.rjust(w)
-            for i, (c, w) in enumerate(zip(r, widths, strict=True))
-        ]
-        lines.append("  ".join(cells).rstrip())
-    return lines
+def _align(groups: list[tuple[str, list[str]]], rows: list[list[str]]) -> list[str]:
+    names = [c for _, cols in groups for c in cols]
+    table = [names, *rows]
+    widths = [max(len(r[i]) for r in table) for i in range(len(names))]
+    left = {i for i, n in enumerate(names) if n in ("module", "type", "decision", "why")}
+
+    def line(cells: list[str]) -> str:
+        pairs = enumerate(zip(cells, widths, strict=True))
+        return "  ".join(c.ljust(w) if i in left else c.rjust(w) for i, (c, w) in pairs).rstrip()
+
+    return [_group_line(groups, widths), *(line(r) for r in table)]
+
+
+def _group_line(groups: list[tuple[str, list[str]]], widths: list[int]) -> str:
+    parts, i = [], 0
+    for label, cols in groups:
+        span = sum(widths[i : i + len(cols)]) + 2 * (len(cols) - 1)
+        i += len(cols)
+        text = f" {label} " if label else ""
+        parts.append(text.center(span, "-") if label else " " * span)
+    return "  ".join(parts).rstrip()
 
 
 def render(advice: Advice) -> str:
-    """The whole report: a heading, the per-module table, the proposal and the prediction."""
-    rows = [_header(advice), *(_row(advice, m) for m in advice.modules)]
+    """The whole report: a heading, the per-module table, its legend, the proposal, the
+    prediction and the predicted speed."""
+    groups = _groups(advice)
+    rows = [_row(advice, m) for m in advice.modules]
+    speed = f"; speed on {advice.step.gpu}" if advice.step is not None else ""
     lines = [
         f"mixprec advise: {len(advice.modules)} modules, candidates "
         f"{', '.join(advice.candidates)}, region {format_dtype(advice.dtype)}, "
-        f"{advice.mode} mode ({advice.passes} passes)",
-        "SQNR in dB against float32; 'model' = whole-model gradient with only that module "
-        "in the candidate",
+        f"{advice.mode} mode ({advice.passes} passes){speed}",
+        "SQNR (signal-to-quantization-noise ratio) against float32, in dB: higher is better "
+        "(bf16 about 47, fp8 20-35)",
         "",
-        *_align(rows),
+        *_align(groups, rows),
+        "",
+        *_legend(advice),
         "",
         f"policy:      {_policy_text(advice)}",
         f"region:      mixprec.autocast({advice.device_type!r}, dtype=torch."
@@ -117,8 +159,38 @@ def render(advice: Advice) -> str:
     lines.append(_prediction(advice))
     if advice.measured_sqnr is not None:
         lines.append(f"measured:    {fmt_db(advice.measured_sqnr)} dB with the policy applied")
+    lines += _speed(advice)
     lines += [f"note:        {n}" for n in advice.notes]
     return "\n".join(lines)
+
+
+def _legend(advice: Advice) -> list[str]:
+    return [w for line in _legend_lines(advice) for w in textwrap.wrap(line, 100)]
+
+
+def _legend_lines(advice: Advice) -> list[str]:
+    lines = [
+        "model: the whole model's gradient SQNR with only this module in the candidate (what "
+        "the prediction adds up); out, in-grad, w-grad: the module's output, input gradient "
+        "and weight gradient"
+    ]
+    if _timed(advice) and advice.step is not None:
+        lines.append(
+            f"µs: predicted time per step on {advice.step.gpu} (the module's three GEMMs "
+            "and its casts)"
+        )
+    if _has_fp16(advice):
+        lines.append(
+            "fp16 range: outputs above 65504 (>max); non-zero gradients fp16 rounds to 0 "
+            "without loss scaling (flush@1) and at init_scale (flush@scale)"
+        )
+    if _fp8_words(advice):
+        lines.append(
+            "fp8 casts: the largest fraction of values at the format's maximum (sat) and of "
+            "non-zero values flushed to 0 (flush), with the operand: in input, w weight, go "
+            "output gradient"
+        )
+    return lines
 
 
 def _policy_text(advice: Advice) -> str:
@@ -140,3 +212,32 @@ def _prediction(advice: Advice) -> str:
         f"{len(advice.kept)} kept in {advice.kept_precision}{status}; the ops between the "
         f"measured modules alone: {fmt_db(advice.region_sqnr)} dB"
     )
+
+
+def _speed(advice: Advice) -> list[str]:
+    step = advice.step
+    if step is None:
+        return []
+    lines = [
+        f"speed:       {_us(step.proposal)} of matmuls per step on {step.gpu}, "
+        f"{_us(step.baseline)} in bf16: {step.speedup:.2f}x (chosen by "
+        f"{'speed' if advice.objective == 'speed' else 'fewest kept'})",
+        f"time goes:   measured modules' GEMMs {_us(step.gemms)}, their casts "
+        f"{_us(step.casts)}, other matmuls (attention) {_us(step.other)}",
+        "             (elementwise ops, norms, the optimizer, communication: not modelled)",
+    ]
+    top = sorted((m for m in advice.modules if m.time is not None), key=_total, reverse=True)
+    if top:
+        lines.append(
+            "slowest:     "
+            + ", ".join(f"{m.name}: {fmt_us(m.time)} µs ({m.choice})" for m in top[:3])
+        )
+    return lines
+
+
+def _us(seconds: float) -> str:
+    return f"{seconds * 1e6:.3g} µs"
+
+
+def _total(m: ModuleAdvice) -> float:
+    return 0.0 if m.time is None else m.time.total

@@ -1,0 +1,121 @@
+"""The advisor's arguments, checked before its first pass: each bad value is a ConfigError that
+names it and the fix, and nothing has run yet."""
+
+from __future__ import annotations
+
+import inspect
+import math
+from collections.abc import Callable, Sequence
+from typing import Any
+
+import torch
+from torch import nn
+
+from mixprec._src.advisor.candidates import Candidate
+from mixprec._src.fp8 import hook as fp8_hook
+from mixprec.errors import ConfigError
+
+OBJECTIVES = ("fewest_kept", "speed")
+
+LOSS_FORM = (
+    "the advisor calls it as loss_fn(model, batch): it runs the model on the batch and returns "
+    "the loss, e.g. lambda model, batch: F.mse_loss(model(batch[0]), batch[1])"
+)
+
+
+def check_args(
+    model: object,
+    loss_fn: object,
+    numbers: tuple[object, object],
+    flags: tuple[object, object, object],
+    objective: object,
+) -> None:
+    """``numbers``: (min_sqnr, keep_at_most); ``flags``: (check, more_batches, progress)."""
+    if not isinstance(model, nn.Module):
+        raise ConfigError(f"model must be a torch.nn.Module, got {type(model).__name__}")
+    if not callable(loss_fn):
+        raise ConfigError(f"loss_fn must be callable; {LOSS_FORM}; got {type(loss_fn).__name__}")
+    _check_numbers(*numbers)
+    check, more_batches, progress = flags
+    if not isinstance(check, bool):
+        raise ConfigError(f"check must be True or False, got {check!r}")
+    if not isinstance(more_batches, (list, tuple)):
+        raise ConfigError(
+            f"more_batches must be a list or tuple of further batches, got "
+            f"{type(more_batches).__name__} {_short(more_batches)}"
+        )
+    if progress is not None and not callable(progress):
+        raise ConfigError(
+            "progress must be None or a function called as progress(done, total, label), got "
+            f"{type(progress).__name__} {_short(progress)}"
+        )
+    if objective not in OBJECTIVES:
+        raise ConfigError(
+            f"objective must be one of {', '.join(map(repr, OBJECTIVES))}, got {objective!r}"
+        )
+
+
+def _short(value: object) -> str:
+    text = repr(value)
+    return text if len(text) <= 40 else text[:37] + "..."
+
+
+def _check_numbers(min_sqnr: object, keep_at_most: object) -> None:
+    if min_sqnr is not None and (
+        isinstance(min_sqnr, bool)
+        or not isinstance(min_sqnr, (int, float))
+        or not math.isfinite(min_sqnr)
+    ):
+        raise ConfigError(f"min_sqnr must be a finite number of dB or None, got {min_sqnr!r}")
+    if keep_at_most is not None and (
+        isinstance(keep_at_most, bool) or not isinstance(keep_at_most, int) or keep_at_most < 0
+    ):
+        raise ConfigError(f"keep_at_most must be an int >= 0 or None, got {keep_at_most!r}")
+
+
+def check_float32(model: nn.Module) -> None:
+    """The reference is the model's own float32 run: 16-bit parameters or buffers cannot give
+    one."""
+    named = [*model.named_parameters(), *model.named_buffers()]
+    low = [(n, t.dtype) for n, t in named if t.is_floating_point() and t.element_size() < 4]
+    if low:
+        name, dtype = low[0]
+        raise ConfigError(
+            f"the model has {len(low)} {str(dtype).removeprefix('torch.')} parameters or "
+            f"buffers (first: {name!r}); the advisor compares low precision with the model's "
+            "float32 run, so it needs float32 parameters: advise a float32 copy "
+            "(copy.deepcopy(model).float(), with float32 inputs) and train with the proposed "
+            "policy under mixprec.autocast, which keeps float32 master weights"
+        )
+
+
+def check_loss_signature(loss_fn: Callable[..., Any], model: nn.Module, batch: Any) -> None:
+    """A loss function that cannot take two positional arguments is refused up front."""
+    try:
+        signature = inspect.signature(loss_fn)
+    except (TypeError, ValueError):  # a builtin without a signature: the first call tells
+        return
+    try:
+        signature.bind(model, batch)
+    except TypeError as exc:
+        raise ConfigError(
+            f"loss_fn{signature} cannot be called with (model, batch) ({exc}); {LOSS_FORM}"
+        ) from None
+
+
+def check_served(cands: Sequence[Candidate], chosen: Sequence[tuple[str, nn.Module]]) -> None:
+    """Every candidate must serve at least one measured module."""
+    for cand in cands:
+        if not any(cand.serves(m) for _, m in chosen):
+            names = ", ".join(f"{n} ({type(m).__name__})" for n, m in chosen[:8])
+            raise ConfigError(
+                f"candidate {cand.word!r} serves {fp8_hook.SERVES}; none of the measured "
+                f"modules is one: {names}{', ...' if len(chosen) > 8 else ''}"
+            )
+
+
+def device_of(model: nn.Module) -> torch.device:
+    """Where the model's first parameter or buffer lives (the CPU for an empty model)."""
+    for tensor in (*model.parameters(), *model.buffers()):
+        return tensor.device
+    return torch.device("cpu")

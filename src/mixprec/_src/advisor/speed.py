@@ -1,0 +1,209 @@
+"""The speed model: a module's three GEMMs and its casts, predicted on a target GPU.
+
+A module with a matmul (``nn.Linear``; ``nn.Conv*`` as its implicit GEMM) runs three GEMMs per
+training step: the output (``M x K @ K x N``), the input gradient (``M x N @ N x K``) and the
+weight gradient (``K x M @ M x N``), ``M`` the rows (tokens, or output positions of a conv),
+``K`` the input features, ``N`` the output features. Each GEMM takes the longer of its compute
+time (``2 M K N`` FLOP at the achievable rate of its operands' kind) and its memory time (its
+operands and output at the achievable bandwidth), and never less than the shortest kernel.
+
+In low precision the operands are cast first. Each of the three tensors (input ``x``, weight
+``w``, output gradient ``dy``) is read once from the region's 16-bit dtype and written once per
+quantized copy the recipe needs (one per GEMM it enters), with its scales; a per-tensor scale,
+or a scale over a whole column (an operand whose contraction runs along the tensor's first
+dimension, scaled per row of that contraction), needs the amax before anything is written: one
+more read. Block scales (16, 32, 128 elements) are local to a tile and cost no extra read. This
+is the traffic of fused cast kernels (TransformerEngine's, or torchao's under torch.compile);
+eager casts move more. Everything else in a step (attention, norms, the optimizer) is outside
+the model, except the matmuls the advisor counts in its reference pass (see ``Step``).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+from mixprec._src.advisor.gpus import GPU, KERNEL_FLOOR_S
+
+ROW = 0  #: ``Format.block`` for one scale per row of the contraction (axis-wise, "rowwise")
+
+
+@dataclass(frozen=True)
+class Format:
+    """How one GEMM operand is stored: the tensor-core kind it runs on and its bytes.
+
+    Attributes:
+        kind: ``"fp32"``, ``"bf16"`` (fp16 alike), ``"fp8"`` or ``"fp4"``.
+        bits: bits per element in memory.
+        block: elements per scale along the contraction (``ROW``: the whole contraction;
+            None: one scale for the tensor, or no scale for 16/32-bit operands).
+        scale_bytes: bytes per scale (fp32 4, E8M0 or E4M3 1).
+        tile: rows across the contraction that share a scale (2D blocks: 128 for DeepSeek's
+            128 x 128 weight blocks, 16 for NVFP4's 16 x 16), else 1.
+        tensor_scale: also one scale for the whole tensor (NVFP4's second level), whose amax
+            needs a pass of its own.
+    """
+
+    kind: str
+    bits: int
+    block: int | None = None
+    scale_bytes: int = 0
+    tile: int = 1
+    tensor_scale: bool = False
+
+    @property
+    def quantized(self) -> bool:
+        return self.bits < 16
+
+    def scales(self, numel: int, contraction: int) -> float:
+        """Bytes of scales for ``numel`` elements contracted over ``contraction``."""
+        if not self.quantized:
+            return 0.0
+        if self.block is None:
+            return float(self.scale_bytes)
+        per = contraction if self.block == ROW else self.block * self.tile
+        return numel / max(per, 1) * self.scale_bytes
+
+    def needs_pass(self, along_rows: bool) -> bool:
+        """Whether its amax must be known before the cast writes anything (one more read)."""
+        if not self.quantized:
+            return False
+        return self.tensor_scale or self.block is None or (self.block == ROW and along_rows)
+
+
+BF16 = Format("bf16", 16)
+FP32 = Format("fp32", 32)
+
+
+@dataclass(frozen=True)
+class Operands:
+    """The formats of the six (GEMM, operand) pairs of a module; see ``fp8.recipes.Recipe``.
+
+    ``x``/``w``: forward; ``dy_gi``/``w_gi``: input gradient; ``dy_gw``/``x_gw``: weight
+    gradient.
+    """
+
+    x: Format
+    w: Format
+    dy_gi: Format
+    w_gi: Format
+    dy_gw: Format
+    x_gw: Format
+
+    @classmethod
+    def uniform(cls, fmt: Format) -> Operands:
+        return cls(fmt, fmt, fmt, fmt, fmt, fmt)
+
+
+@dataclass(frozen=True)
+class Time:
+    """Predicted seconds of one module per training step (summed over its calls).
+
+    Attributes:
+        forward: the output GEMM.
+        input_grad: the input-gradient GEMM.
+        weight_grad: the weight-gradient GEMM.
+        casts: the cast kernels of its operands.
+    """
+
+    forward: float
+    input_grad: float
+    weight_grad: float
+    casts: float
+
+    @property
+    def gemms(self) -> float:
+        """The three GEMMs together. Host sync: none."""
+        return self.forward + self.input_grad + self.weight_grad
+
+    @property
+    def total(self) -> float:
+        """GEMMs and casts. Host sync: none."""
+        return self.gemms + self.casts
+
+    def __add__(self, other: Time) -> Time:
+        return Time(
+            self.forward + other.forward,
+            self.input_grad + other.input_grad,
+            self.weight_grad + other.weight_grad,
+            self.casts + other.casts,
+        )
+
+
+ZERO = Time(0.0, 0.0, 0.0, 0.0)
+
+
+@dataclass(frozen=True)
+class Shape:
+    """One call's GEMM: ``M x K @ K x N``, ``groups`` of them (grouped convolutions)."""
+
+    m: int
+    k: int
+    n: int
+    groups: int = 1
+
+
+def gemm_s(gpu: GPU, m: int, k: int, n: int, a: Format, b: Format) -> float | None:
+    """Seconds of one ``m x k @ k x n`` GEMM (16-bit output), None if ``gpu`` cannot run it."""
+    kind = a.kind if a.bits <= b.bits else b.kind
+    rate = gpu.rate(kind)
+    if rate is None or not _native(gpu, a) or not _native(gpu, b):
+        return None
+    compute = 2.0 * m * k * n / rate
+    data = m * k * a.bits / 8 + a.scales(m * k, k) + k * n * b.bits / 8 + b.scales(k * n, k)
+    data += m * n * max(a.bits, b.bits, 16) / 8
+    return max(compute, data / gpu.memory_rate, KERNEL_FLOOR_S)
+
+
+def _native(gpu: GPU, fmt: Format) -> bool:
+    small_blocks = fmt.block is not None and fmt.block not in (ROW, 128)
+    return not (fmt.quantized and small_blocks and not gpu.block_scaled)
+
+
+def cast_s(gpu: GPU, rows: int, cols: int, copies: Sequence[tuple[Format, bool]]) -> float:
+    """Seconds to cast one ``rows x cols`` 16-bit tensor into its quantized ``copies``, each
+    ``(format, contracted along rows)``: one read, one write per copy, one more read first when
+    a copy needs its amax before writing (see the module docstring)."""
+    quantized = [(f, along) for f, along in copies if f.quantized]
+    if not quantized:
+        return 0.0
+    numel = rows * cols
+    data = 2.0 * numel
+    for fmt, along_rows in quantized:
+        data += numel * fmt.bits / 8 + fmt.scales(numel, rows if along_rows else cols)
+    kernels = [data]
+    if any(f.needs_pass(along) for f, along in quantized):
+        kernels.append(2.0 * numel)
+    return sum(max(b / gpu.memory_rate, KERNEL_FLOOR_S) for b in kernels)
+
+
+def _upcast_s(gpu: GPU, numel: int) -> float:
+    """An fp32 island's 16-bit input, cast up (autocast's cast: one read, one write)."""
+    return max(6.0 * numel / gpu.memory_rate, KERNEL_FLOOR_S)
+
+
+def module_time(gpu: GPU, shapes: Sequence[Shape], ops: Operands) -> Time | None:
+    """A module's predicted time over its calls, None if ``gpu`` cannot run ``ops``."""
+    total = ZERO
+    for s in shapes:
+        m, k, n = s.m, s.k, s.n
+        fwd = gemm_s(gpu, m, k, n, ops.x, ops.w)
+        gi = gemm_s(gpu, m, n, k, ops.dy_gi, ops.w_gi)
+        gw = gemm_s(gpu, k, m, n, ops.x_gw, ops.dy_gw)
+        if fwd is None or gi is None or gw is None:
+            return None
+        casts = cast_s(gpu, m, k, [(ops.x, False), (ops.x_gw, True)])
+        casts += cast_s(gpu, n, k, [(ops.w, False), (ops.w_gi, True)])
+        casts += cast_s(gpu, m, n, [(ops.dy_gi, False), (ops.dy_gw, True)])
+        if ops.x.kind == "fp32":
+            casts += _upcast_s(gpu, m * k)
+        g = s.groups
+        total = total + Time(fwd * g, gi * g, gw * g, casts * g)
+    return total
+
+
+def matmul_s(gpu: GPU, flops: float) -> float:
+    """Seconds of ``flops`` of other matmuls (attention) in 16-bit, at the compute rate."""
+    rate = gpu.rate("bf16")
+    assert rate is not None
+    return flops / rate
