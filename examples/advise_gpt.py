@@ -5,7 +5,8 @@ batch of token ids. ``mixprec.advise`` puts each Linear alone in fp8 (the tensor
 measures the whole model's gradient against float32, and proposes the policy that reaches 30 dB
 with at most two layers kept in bf16; ``check=True`` applies it and measures the real figure.
 
-Run: ``python examples/advise_gpt.py``, or from the command line::
+Run: ``python examples/advise_gpt.py`` (it writes the plot to ``advise_gpt.png`` in the folder
+named by ``MIXPREC_EXAMPLE_OUT``, the current one by default), or from the command line::
 
     mixprec advise examples/advise_gpt.py:make_gpt --candidates fp8 --min-sqnr 30 \\
         --keep-at-most 2 --check --plot advice.png
@@ -13,7 +14,7 @@ Run: ``python examples/advise_gpt.py``, or from the command line::
 
 from __future__ import annotations
 
-import tempfile
+import os
 from pathlib import Path
 from typing import Any
 
@@ -117,11 +118,13 @@ def main() -> None:
     optimizer.step()
     print(f"one step with {advice.policy}: loss {float(loss.detach()):.4f}")
 
+    path = Path(os.environ.get("MIXPREC_EXAMPLE_OUT", ".")) / "advise_gpt.png"
     try:
-        with tempfile.TemporaryDirectory() as folder:
-            advice.plot(Path(folder) / "advice.png")
+        advice.plot(path)
     except ImportError as exc:  # matplotlib is the [plot] extra
         print(f"no plot: {exc}")
+    else:
+        print(f"plot: {path}")
 
 
 if __name__ == "__main__":

@@ -216,3 +216,24 @@ def nano_task(seed: int = 0, torch_attention: bool = False) -> tuple[nn.Module, 
     gen = torch.Generator().manual_seed(seed + 1)
     tokens = torch.randint(0, 256, (8, 33), generator=gen)
     return model, (tokens[:, :-1], tokens[:, 1:]), next_token
+
+
+def bn_cnn_task(seed: int = 3) -> tuple[nn.Module, Any, Any]:
+    """A small CNN with BatchNorm (4 BN-conv-ReLU blocks, width 8), where the advisor's
+    additive prediction for fp16 is far off: the errors of its convs are not independent."""
+    torch.manual_seed(seed)
+    layers: list[nn.Module] = []
+    channels = 3
+    for _ in range(4):
+        layers += [nn.BatchNorm2d(channels), nn.Conv2d(channels, 8, 3, padding=1), nn.ReLU()]
+        channels = 8
+    model = nn.Sequential(*layers, nn.AdaptiveAvgPool2d(1), nn.Flatten(), nn.Linear(8, 10))
+    gen = torch.Generator().manual_seed(seed + 100)
+    x = torch.randn(16, 3, 8, 8, generator=gen)
+    y = torch.randint(0, 10, (16,), generator=gen)
+    return model, (x, y), classify
+
+
+def classify(model: nn.Module, batch: Any) -> torch.Tensor:
+    x, y = batch
+    return F.cross_entropy(model(x).float(), y)

@@ -38,7 +38,7 @@ def test_table_with_progress_from_an_importable_module() -> None:
     code, out, err = _run(["advise", "tests.advisor_models:loud_task", "--candidates", "fp16"])
     assert code == 0, err
     assert "loud.fc=fp32" in out and "init_scale" in out
-    assert "[1/6] float32 reference" in err and "[6/6]" in err
+    assert "[1/7] float32 reference" in err and "[7/7] every module in its cheapest" in err
 
 
 @pytest.mark.parametrize(
@@ -92,3 +92,98 @@ def test_plot_into_a_new_folder_and_an_unwritable_one(tmp_path: Path) -> None:
     blocker.write_text("")
     code, _, err = _run([*argv, str(blocker / "advice.png")])
     assert code == 2 and "exists and is not a folder" in err
+
+
+def test_help_spells_out_sqnr_and_shows_every_default() -> None:
+    code, out, _ = _run(["advise", "--help"])
+    assert code == 0
+    text = " ".join(out.split())
+    assert "signal-to-quantization-noise ratio" in text and "higher is better" in text
+    assert "--min-sqnr DB" in out and "(default: none" in text
+    assert "--keep-at-most K" in out and "(default: no limit)" in text
+    assert "(default: fewest_kept)" in text and "h200-nvl" in text
+
+
+def _write(folder: Path, name: str, text: str) -> Path:
+    path = folder / name
+    path.write_text(text)
+    return path
+
+
+FACTORY_TEXT = """
+import torch
+from helpers import WIDTH
+
+
+def make():
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(WIDTH, 4), torch.nn.Tanh(), torch.nn.Linear(4, 1))
+    x = torch.randn(16, WIDTH)
+    return model, x, lambda m, b: m(b).pow(2).mean()
+
+
+def make_sized(width, depth=2):
+    return make()
+
+
+def broken():
+    raise RuntimeError("the data folder is missing")
+"""
+
+
+def test_a_factory_file_imports_its_siblings(tmp_path: Path) -> None:
+    _write(tmp_path, "helpers.py", "WIDTH = 8\n")
+    factory = _write(tmp_path, "factory_sibling.py", FACTORY_TEXT)
+    code, out, err = _run(["advise", f"{factory}:make", "--candidates", "bf16", "--no-progress"])
+    assert code == 0, err
+    assert "policy:" in out
+
+
+@pytest.mark.parametrize(
+    ("name", "message"),
+    [
+        ("make_sized", "needs arguments (width); the command line calls the factory with none"),
+        ("broken", "raised RuntimeError: the data folder is missing"),
+    ],
+)
+def test_factory_errors_are_one_line(tmp_path: Path, name: str, message: str) -> None:
+    _write(tmp_path, "helpers.py", "WIDTH = 8\n")
+    factory = _write(tmp_path, f"factory_{name}.py", FACTORY_TEXT)
+    code, _, err = _run(["advise", f"{factory}:{name}", "--no-progress"])
+    assert code == 1 and message in err
+    assert "Traceback" not in err and len(err.strip().splitlines()) == 1
+
+
+def test_a_file_whose_import_fails_is_one_line(tmp_path: Path) -> None:
+    factory = _write(tmp_path, "factory_orphan.py", "import no_such_sibling_xyz\n")
+    code, _, err = _run(["advise", f"{factory}:make", "--no-progress"])
+    assert code == 1 and "ModuleNotFoundError: No module named 'no_such_sibling_xyz'" in err
+    assert "Traceback" not in err and len(err.strip().splitlines()) == 1
+
+
+@pytest.mark.parametrize(
+    ("argv", "message"),
+    [
+        (["--plot", "out.txt"], "matplotlib cannot write 'txt'"),
+        (["--plot", "out"], "a file without a suffix"),
+        (["--gpu", "a100"], "'a100' is not a GPU the speed model knows"),
+        (["--objective", "speed"], "--objective speed needs --gpu"),
+    ],
+)
+def test_bad_options_are_refused_before_any_pass(
+    tmp_path: Path, argv: list[str], message: str
+) -> None:
+    pytest.importorskip("matplotlib", reason="the [plot] extra checks plot formats")
+    if argv[0] == "--plot":
+        argv = ["--plot", str(tmp_path / argv[1])]
+    code, out, err = _run(["advise", FACTORY, *argv])
+    assert code == 2 and message in err and out == ""
+
+
+def test_gpu_and_speed_objective_from_the_command_line() -> None:
+    argv = ["advise", FACTORY, "--candidates", "fp16", "--gpu", "h100", "--no-progress"]
+    code, out, err = _run([*argv, "--objective", "speed", "--json"])
+    assert code == 0, err
+    doc = json.loads(out)
+    assert doc["gpu"] == "h100" and doc["objective"] == "speed"
+    assert doc["step"]["gpu"] == "H100 SXM" and doc["step"]["speedup"] > 0

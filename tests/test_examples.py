@@ -21,7 +21,8 @@ PER_EXAMPLE_TIMEOUT_S = 120
 def results(tmp_path_factory: pytest.TempPathFactory) -> dict[str, dict[str, object]]:
     logdir = str(tmp_path_factory.mktemp("example-logs"))
     paths = [str(p) for p in EXAMPLES]
-    env = {"MIXPREC_EXAMPLE_STEPS": STEPS}
+    out = str(tmp_path_factory.mktemp("example-outputs"))
+    env = {"MIXPREC_EXAMPLE_STEPS": STEPS, "MIXPREC_EXAMPLE_OUT": out}
     return run_files(paths, "script", logdir, PER_EXAMPLE_TIMEOUT_S, env)
 
 

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 from mixprec import distributed, errors, types
 from mixprec._src.advisor.api import advise
+from mixprec._src.advisor.watch import Watch
 from mixprec._src.anomaly import find_nonfinite
 from mixprec._src.autocast.custom import custom_bwd, custom_fwd
 from mixprec._src.autocast.policy import Policy, policy_table
@@ -37,6 +38,7 @@ __all__ = [
     "Policy",
     "Rule",
     "ScalerConfig",
+    "Watch",
     "__version__",
     "advise",
     "autocast",

@@ -7,7 +7,9 @@ read-only view.
 
 from __future__ import annotations
 
-from mixprec._src.advisor.report import Advice, Fp16Range, Measurement, ModuleAdvice
+from mixprec._src.advisor.report import Advice, Fp16Range, Measurement, ModuleAdvice, StepTime
+from mixprec._src.advisor.speed import Time
+from mixprec._src.advisor.watch import WatchRecord, WatchReport
 from mixprec._src.anomaly import NonFiniteFinder, NonFiniteReport
 from mixprec._src.autocast.policy import PolicyTable, PolicyTableRow
 from mixprec._src.autocast.report import DtypeReport, ReportRow
@@ -35,5 +37,9 @@ __all__ = [
     "PolicyTableRow",
     "ReportRow",
     "ScalerStats",
+    "StepTime",
+    "Time",
     "UpdateEvent",
+    "WatchRecord",
+    "WatchReport",
 ]

@@ -119,7 +119,7 @@ def _draw_histogram(ax: Any, r: RunResult) -> None:
         counts = [a + b for a, b in zip(hist.outputs, hist.weights, strict=True)]
         inside = sum(c for k, c in enumerate(counts, low) if start <= k < stop)
         patch = ax.axvspan(max(start, low), min(stop, high), color=color, zorder=1)
-        patch.set_label(f"{label}: {100 * inside / total:.1f}%")
+        patch.set_label(f"{label}: {100 * inside / total:.1f}% of the values")
         patches.append(patch)
     ax.legend(handles=patches, loc="upper left", fontsize=8.5, framealpha=0.95)
     ax.add_artist(bars)
@@ -129,19 +129,28 @@ def _draw_histogram(ax: Any, r: RunResult) -> None:
     ax.set_xticks(list(ticks), [f"2$^{{{k}}}$" for k in ticks])
     ax.set_ylabel("% of gradient values")
     scaled = " × loss scale" if r.scaled else ""
-    ax.set_xlabel(f"|gradient|{scaled}, computed in float32 at {len(r.probe_steps)} steps")
+    ax.set_xlabel(
+        f"|gradient|{scaled}, w.r.t. layer outputs and weights, in float32 "
+        f"({len(r.probe_steps)} steps)"
+    )
     ax.set_title(_histogram_title(r), fontsize=11)
-    if r.dtype == "bfloat16":
-        ax.text(
-            0.02,
-            0.45,
-            "bfloat16 has float32's exponent range\n(normal down to 2$^{-126}$): nothing\n"
-            "underflows, so no scaler is needed",
-            transform=ax.transAxes,
-            fontsize=10,
-            bbox={"boxstyle": "round", "facecolor": "white", "alpha": 0.9},
-            zorder=5,
-        )
+    if r.dtype == "bfloat16" and not r.scaled:
+        _bf16_note(ax)
+
+
+def _bf16_note(ax: Any) -> None:
+    """Why bf16 needs no scaler, right of the bars, where the unscaled panel is empty."""
+    ax.text(
+        0.97,
+        0.5,
+        "bfloat16 has float32's exponent range\n(normal down to 2$^{-126}$): nothing\n"
+        "underflows, so no scaler is needed",
+        transform=ax.transAxes,
+        ha="right",
+        fontsize=10,
+        bbox={"boxstyle": "round", "facecolor": "white", "alpha": 0.9},
+        zorder=5,
+    )
 
 
 def _histogram_title(r: RunResult) -> str:
@@ -177,8 +186,9 @@ def _draw_flushed(ax: Any, runs: list[RunResult]) -> None:
     ax.set_ylabel("% of weight-gradient elements flushed to 0")
     ax.set_title(
         f"Weight-gradient elements that are 0 in {_SHORT[runs[0].dtype]}, not in float32 "
-        f"({len(runs[0].probe_steps)} measured steps)",
-        fontsize=11,
+        f"({len(runs[0].probe_steps)} measured steps):\nfewer than the values below its range "
+        "above, since a weight gradient sums many products",
+        fontsize=10,
     )
     ax.grid(True, alpha=0.3)
     ax.legend(loc="best", fontsize=9)
@@ -223,19 +233,22 @@ def _scale_label(text: str) -> str:
 
 def _draw_losses(ax: Any, results: list[RunResult]) -> None:
     window = max(1, len(results[0].losses) // 30)
-    for r in results:
+    for i, r in enumerate(results):
         steps = range(len(r.losses))
-        ax.plot(steps, r.losses, color=_color(r), alpha=0.2, linewidth=0.8)
+        faint = "each step's loss (faint)" if i == 0 else None
+        ax.plot(steps, r.losses, color=_color(r), alpha=0.25, linewidth=0.8, label=faint)
         style: dict[str, Any] = {"color": _color(r), "linewidth": 1.8}
         if r.scaled:  # dashed, so that float32 stays visible where the two curves coincide
             style["linestyle"] = "--"
         elif r.dtype == "float32":
             style["linewidth"] = 3.0
-        label = f"{r.name}: test R² {r.r2:.3f}"
+        label = f"{r.name}: test R² {r.r2:.3f} (mean over {window} steps)"
         ax.plot(steps, _smooth(r.losses, window), label=label, **style)
     ax.set_yscale("log")
     ax.set_xlabel("step")
     ax.set_ylabel("training loss (MSE)")
-    ax.set_title("The effect: training loss of the three runs (same model, data and seed)")
+    ax.set_title(
+        "The effect: training loss of the three runs (same initial model, data and batch order)"
+    )
     ax.legend(loc="best")
     ax.grid(True, which="both", alpha=0.3)

@@ -43,14 +43,15 @@ def headline(results: list[RunResult]) -> str:
     short = {"float16": "fp16", "bfloat16": "bf16"}.get(low.dtype, low.dtype)
     if lost < 1:
         return (
-            f"{short} loses no gradient to underflow ({lost:.1f}% flushed to zero): no loss "
-            f"scaling needed (test R² {low.r2:.3f}, float32 {ref.r2:.3f})"
+            f"{short} loses no gradient to underflow ({lost:.1f}% of the weight-gradient "
+            f"elements flushed to zero):\nno loss scaling needed (test R² {low.r2:.3f}, float32 "
+            f"{ref.r2:.3f})"
         )
     outcome = "matched float32" if abs(scaled.r2 - ref.r2) < 0.01 else "reached"
     return (
-        f"Without loss scaling, {short} flushed {lost:.1f}% of the gradient to zero "
-        f"(test R² {low.r2:.3f} vs {ref.r2:.3f} in float32);\nmixprec.GradScaler kept "
-        f"{kept:.1f}% of it and {outcome} (R² {scaled.r2:.3f})"
+        f"Without loss scaling, {short} flushed {lost:.1f}% of the weight-gradient elements to "
+        f"zero (test R² {low.r2:.3f} vs {ref.r2:.3f} in float32);\nmixprec.GradScaler kept "
+        f"{kept:.1f}% of them and {outcome} (R² {scaled.r2:.3f})"
     )
 
 

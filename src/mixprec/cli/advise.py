@@ -1,9 +1,10 @@
 """``mixprec advise MODULE:FACTORY``: measure a model's modules and propose a precision policy.
 
 ``FACTORY`` is a function of no arguments in ``MODULE`` (an importable module, ``pkg.models``,
-or a Python file, ``examples/advise_gpt.py``) that returns ``(model, batch, loss_fn)``, where
-``loss_fn(model, batch)`` returns the loss. Prints the advisor's table (or JSON with ``--json``)
-and can draw the plot (``--plot PATH``).
+or a Python file, ``examples/advise_gpt.py``, whose folder is put first on ``sys.path`` as
+``python FILE`` does, so that it can import its siblings) that returns ``(model, batch,
+loss_fn)``, where ``loss_fn(model, batch)`` returns the loss. Prints the advisor's table (or JSON
+with ``--json``) and can draw the plot (``--plot PATH``).
 """
 
 from __future__ import annotations
@@ -11,6 +12,7 @@ from __future__ import annotations
 import argparse
 import importlib
 import importlib.util
+import inspect
 import sys
 from collections.abc import Callable
 from pathlib import Path
@@ -20,6 +22,7 @@ import torch
 from torch import nn
 
 import mixprec
+from mixprec._src.advisor.gpus import get_gpu
 from mixprec.cli._command import Command, CommandError
 from mixprec.cli._output import emit, folder_problem, write_file
 from mixprec.errors import ConfigError
@@ -34,16 +37,46 @@ def _add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument(
         "--candidates",
         default=None,
-        help="rule words, cheapest first, comma-separated: fp16, bf16, fp8, fp8:rowwise, "
-        "fp8:rowwise_gw_hp (default: torch's autocast dtype for the device: bf16 on the CPU, "
-        "fp16 on CUDA)",
+        help="precision rule words, cheapest first, comma-separated: fp16, bf16, fp8, "
+        "fp8:rowwise, fp8:rowwise_gw_hp, ... (default: torch's autocast dtype for the device: "
+        "bf16 on the CPU, fp16 on CUDA)",
     )
     p.add_argument(
-        "--min-sqnr", type=float, metavar="DB", help="target: the least whole-model gradient SQNR"
+        "--min-sqnr",
+        type=float,
+        metavar="DB",
+        help="target: the least whole-model gradient SQNR (signal-to-quantization-noise ratio "
+        "against float32, in dB; higher is better: bf16 is about 47, fp8 20-35) (default: "
+        "none: only --keep-at-most, or the cheapest finite candidates)",
     )
     p.add_argument(
-        "--keep-at-most", type=int, metavar="K", help="keep at most K modules out of the candidates"
+        "--keep-at-most",
+        type=int,
+        metavar="K",
+        help="keep at most K modules out of the candidates; with no --min-sqnr, keep the K "
+        "most sensitive (default: no limit)",
     )
+    _speed_arguments(p)
+    _output_arguments(p)
+
+
+def _speed_arguments(p: argparse.ArgumentParser) -> None:
+    p.add_argument(
+        "--gpu",
+        type=_gpu,
+        metavar="NAME",
+        help="predict each module's time on this GPU: h100, h200, h200-nvl, b200, b300 "
+        "(default: no prediction)",
+    )
+    p.add_argument(
+        "--objective",
+        choices=["fewest_kept", "speed"],
+        default="fewest_kept",
+        help="once --min-sqnr is met: keep the fewest modules, or the fastest policy on --gpu",
+    )
+
+
+def _output_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument(
         "--modules",
         help="comma-separated name globs to measure (default: every leaf module with trainable "
@@ -57,6 +90,14 @@ def _add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--threads", type=int, help="CPU threads for torch (default: torch's)")
 
 
+def _gpu(text: str) -> str:
+    try:
+        get_gpu(text)
+    except ConfigError as exc:
+        raise argparse.ArgumentTypeError(str(exc)) from None
+    return text
+
+
 def _check(args: argparse.Namespace) -> str | None:
     module, sep, name = args.target.rpartition(":")
     if not sep or not module or not name:
@@ -65,11 +106,29 @@ def _check(args: argparse.Namespace) -> str | None:
         return f"--keep-at-most {args.keep_at_most}: use 0 or more"
     if args.threads is not None and args.threads < 1:
         return f"--threads {args.threads}: use 1 or more"
+    if args.objective == "speed" and args.gpu is None:
+        return "--objective speed needs --gpu (e.g. --gpu h100)"
     if args.plot is not None:
-        problem = folder_problem(args.plot.parent)
+        problem = folder_problem(args.plot.parent) or plot_format_problem(args.plot)
         if problem is not None:
             return f"--plot {args.plot}: {problem}"
     return None
+
+
+def plot_format_problem(path: Path) -> str | None:
+    """Why matplotlib could not write ``path`` (its suffix), or None (also when matplotlib is
+    missing: the run then notes that no plot was drawn)."""
+    suffix = path.suffix.lower().lstrip(".")
+    try:
+        from matplotlib.backend_bases import FigureCanvasBase
+    except ImportError:
+        return None if suffix else "give the file a suffix: .png, .svg or .pdf"
+    formats = FigureCanvasBase.get_supported_filetypes()
+    if suffix in formats:
+        return None
+    return (
+        f"matplotlib cannot write {suffix or 'a file without a suffix'!r}; use .png, .svg or .pdf"
+    )
 
 
 def load_factory(target: str) -> Callable[[], Any]:
@@ -88,21 +147,31 @@ def load_factory(target: str) -> Callable[[], Any]:
         )
     if not callable(factory):
         raise ConfigError(f"{where}:{name} is a {type(factory).__name__}, not a function")
+    _check_no_arguments(factory, target)
     return factory
+
+
+def _check_no_arguments(factory: Callable[..., Any], target: str) -> None:
+    try:
+        signature = inspect.signature(factory)
+    except (TypeError, ValueError):  # a builtin without a signature: the call tells
+        return
+    needed = [
+        p.name
+        for p in signature.parameters.values()
+        if p.default is p.empty and p.kind not in (p.VAR_POSITIONAL, p.VAR_KEYWORD)
+    ]
+    if needed:
+        raise ConfigError(
+            f"{target} needs arguments ({', '.join(needed)}); the command line calls the "
+            "factory with none: give them defaults, or write a factory of no arguments that "
+            "calls it"
+        )
 
 
 def _import(where: str) -> Any:
     if where.endswith(".py") or "/" in where or "\\" in where:
-        path = Path(where)
-        if not path.is_file():
-            raise ConfigError(f"file {where} does not exist")
-        spec = importlib.util.spec_from_file_location(path.stem, path)
-        if spec is None or spec.loader is None:
-            raise ConfigError(f"{where} cannot be loaded as a Python module")
-        module = importlib.util.module_from_spec(spec)
-        sys.modules.setdefault(path.stem, module)
-        spec.loader.exec_module(module)
-        return module
+        return _load_file(where)
     if "" not in sys.path and "." not in sys.path:
         sys.path.insert(0, "")  # as `python -m` does: modules of the current folder import
     try:
@@ -112,7 +181,33 @@ def _import(where: str) -> Any:
             raise ConfigError(
                 f"cannot import {where!r} ({exc}); pass an importable module or a .py file"
             ) from None
-        raise
+        raise _import_failed(where, exc) from exc
+    except Exception as exc:  # the module's own code raised while it was imported
+        raise _import_failed(where, exc) from exc
+
+
+def _load_file(where: str) -> Any:
+    """Run a Python file as a module, its folder first on ``sys.path`` (as ``python FILE``)."""
+    path = Path(where)
+    if not path.is_file():
+        raise ConfigError(f"file {where} does not exist")
+    spec = importlib.util.spec_from_file_location(path.stem, path)
+    if spec is None or spec.loader is None:
+        raise ConfigError(f"{where} cannot be loaded as a Python module")
+    folder = str(path.resolve().parent)
+    if folder not in sys.path:
+        sys.path.insert(0, folder)
+    module = importlib.util.module_from_spec(spec)
+    sys.modules.setdefault(path.stem, module)
+    try:
+        spec.loader.exec_module(module)
+    except Exception as exc:  # the file's own code raised (an import it needs, a bug)
+        raise _import_failed(where, exc) from exc
+    return module
+
+
+def _import_failed(where: str, exc: Exception) -> ConfigError:
+    return ConfigError(f"importing {where} failed: {type(exc).__name__}: {exc}")
 
 
 def unpack(made: object, target: str) -> tuple[nn.Module, Any, Callable[..., Any]]:
@@ -138,7 +233,7 @@ def run(args: argparse.Namespace) -> int:
     """Build the model with the factory, advise, print the report."""
     if args.threads is not None:
         torch.set_num_threads(args.threads)
-    model, batch, loss_fn = unpack(load_factory(args.target)(), args.target)
+    model, batch, loss_fn = unpack(_call(load_factory(args.target), args.target), args.target)
     progress = None if args.no_progress else _progress_lines
     advice = mixprec.advise(
         model,
@@ -150,6 +245,8 @@ def run(args: argparse.Namespace) -> int:
         modules=args.modules.split(",") if args.modules else None,
         check=args.measure,
         progress=progress,
+        gpu=args.gpu,
+        objective=args.objective,
     )
     emit(advice.to_json() if args.json else advice.table())
     if args.plot is not None:
@@ -166,6 +263,15 @@ def run(args: argparse.Namespace) -> int:
     return 0
 
 
+def _call(factory: Callable[[], Any], target: str) -> Any:
+    try:
+        return factory()
+    except (ConfigError, KeyboardInterrupt):
+        raise
+    except Exception as exc:  # the factory's own code: one line, not a traceback
+        raise CommandError(f"{target} raised {type(exc).__name__}: {exc}") from exc
+
+
 def _progress_lines(done: int, total: int, label: str) -> None:
     print(f"mixprec advise: [{done}/{total}] {label}", file=sys.stderr, flush=True)
 
@@ -178,11 +284,14 @@ COMMAND = Command(
         "proposes a precision policy. MODULE:FACTORY names a function of no arguments in an\n"
         "importable module or a Python file that returns (model, batch, loss_fn), where\n"
         "loss_fn(model, batch) returns the loss. Prints the advisor's table (or JSON); see\n"
-        "docs/advisor.md."
+        "docs/advisor.md.\n\n"
+        "Error is measured as SQNR, the signal-to-quantization-noise ratio of the gradients\n"
+        "against float32, in dB: higher is better (bf16 about 47 dB, fp8 20-35 dB)."
     ),
     examples=(
         f"mixprec advise {_EXAMPLE} --candidates fp8 --min-sqnr 30 --keep-at-most 2 --check",
         f"mixprec advise {_EXAMPLE} --candidates fp8,fp8:rowwise --min-sqnr 30 --json",
+        f"mixprec advise {_EXAMPLE} --candidates fp8 --min-sqnr 30 --gpu h100 --objective speed",
         "mixprec advise mypkg.models:make_model --candidates fp16 --check --plot advice.png",
     ),
     add_arguments=_add_arguments,

@@ -1,4 +1,5 @@
-"""TensorBoard: an update hook that writes the scale, the skips and the grad norm.
+"""TensorBoard: an update hook that writes the scale, the skips and the grad norm, and the
+scalars of a :class:`mixprec.Watch` (pass ``hook=tensorboard_hook.record_watch``).
 
 Uses ``torch.utils.tensorboard.SummaryWriter``, which needs the ``tensorboard`` package
 (``pip install 'mixprec[tensorboard]'``).
@@ -63,6 +64,30 @@ class TensorBoardHook(WindowedUpdateHook):
         self.writer.add_scalar(f"{tag}skipped_total", record.skipped_total, step)
         if record.grad_norm is not None:
             self.writer.add_scalar(f"{tag}grad_norm", record.grad_norm, step)
+
+    def record_watch(self, report: Any) -> None:
+        """Write a :class:`~mixprec.types.WatchReport` at its step: ``<prefix>watch/predicted_sqnr``
+        and, per measured module, ``<prefix>watch/<module>/sqnr`` (its whole-model gradient
+        SQNR in its chosen precision), ``.../margin`` (dB below bf16 at that step),
+        ``.../saturated`` and ``.../flushed`` (fp8), and ``<prefix>watch/alerts``. Use it as
+        ``mixprec.Watch(..., hook=board.record_watch)``.
+
+        Host sync: none (the report holds host numbers).
+        """
+        tag, step = f"{self.prefix}watch/", report.step
+        if math.isfinite(report.predicted_sqnr):
+            self.writer.add_scalar(f"{tag}predicted_sqnr", report.predicted_sqnr, step)
+        self.writer.add_scalar(f"{tag}alerts", len(report.alerts), step)
+        for rec in report.records:
+            values = {
+                "sqnr": rec.model_grad_sqnr,
+                "margin": rec.margin,
+                "saturated": rec.saturated,
+                "flushed": rec.flushed,
+            }
+            for key, value in values.items():
+                if value is not None and math.isfinite(value):
+                    self.writer.add_scalar(f"{tag}{rec.name}/{key}", value, step)
 
     def close(self) -> None:
         """Write the last partial window, unregister, and flush (or close, if this hook

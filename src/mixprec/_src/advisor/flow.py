@@ -13,10 +13,11 @@ from mixprec._src.advisor.candidates import Candidate, high_word
 from mixprec._src.advisor.engine import Engine, Job, Target, propose_scale
 from mixprec._src.advisor.fastest import search_fastest
 from mixprec._src.advisor.gpus import GPU
-from mixprec._src.advisor.metrics import db_to_ratio
+from mixprec._src.advisor.metrics import db_to_ratio, ratio_to_db
 from mixprec._src.advisor.propose import Choice, Option, Proposal, build_policy, search
 from mixprec._src.advisor.report import (
     Advice,
+    Cheapest,
     Fp16Range,
     Measurement,
     ModuleAdvice,
@@ -30,6 +31,7 @@ from mixprec._src.advisor.timing import (
     option_time,
     step_time,
 )
+from mixprec._src.autocast.policy import Policy
 from mixprec._src.autocast.rules import format_dtype
 
 
@@ -56,12 +58,11 @@ def run(engine: Engine, targets: list[Target], goal: Goal) -> Advice:
     names = [t.name for t in served]
     islands = build_policy(job.model, dict.fromkeys(names, "fp32"), region_word, names)
     region_sqnr = measure.with_policy(engine, "region, measured modules in fp32", islands)
+    cheapest = _cheapest(engine, found, region_sqnr, names)
     proposal, kept = _search(engine, served, found, ranges, region_sqnr, goal)
     picked = {c.name: c.current.word for c in proposal.choices}
     policy = build_policy(job.model, picked, region_word, names)
-    measured = (
-        measure.with_policy(engine, "check: proposal applied", policy) if goal.check else None
-    )
+    measured = _check_pass(engine, goal, policy, cheapest)
     rows = [_module_advice(engine, t, found, ranges, proposal, kept, goal.gpu) for t in targets]
     notes += _unserved_note([t for t in targets if t not in served])
     return Advice(
@@ -78,6 +79,7 @@ def run(engine: Engine, targets: list[Target], goal: Goal) -> Advice:
         predicted_sqnr=proposal.predicted,
         region_sqnr=region_sqnr,
         measured_sqnr=measured,
+        cheapest=cheapest,
         mode="exact",
         passes=engine.passes,
         notes=tuple(notes + proposal.notes),
@@ -85,6 +87,33 @@ def run(engine: Engine, targets: list[Target], goal: Goal) -> Advice:
         objective=goal.objective,
         step=_step(goal.gpu, targets, rows, flops),
     )
+
+
+def _check_pass(engine: Engine, goal: Goal, policy: Policy, cheapest: Cheapest) -> float | None:
+    """With ``check``, the proposal's measured SQNR (the cheapest policy's pass if it is that)."""
+    if not goal.check:
+        return None
+    if policy == cheapest.policy:
+        engine.job.total_passes -= 1
+        return cheapest.measured
+    return measure.with_policy(engine, "check: proposal applied", policy)
+
+
+def _cheapest(
+    engine: Engine, found: dict[str, list[Measurement]], region_sqnr: float, names: list[str]
+) -> Cheapest:
+    """Every module in its cheapest finite candidate (kept where none is finite), predicted
+    and measured: how far the additive model is off on this model."""
+    job = engine.job
+    high = high_word(job.candidates, job.region)
+    words, noise = {}, db_to_ratio(region_sqnr)
+    for name in names:
+        first = next((m for m in found[name] if m.finite), None)
+        words[name] = high if first is None else first.candidate
+        noise += 0.0 if first is None else db_to_ratio(first.model_grad_sqnr)
+    policy = build_policy(job.model, words, format_dtype(job.region), names)
+    label = "every module in its cheapest candidate"
+    return Cheapest(policy, ratio_to_db(noise), measure.with_policy(engine, label, policy))
 
 
 def _serving(job: Job, t: Target) -> list[Candidate]:

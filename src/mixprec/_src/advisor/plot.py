@@ -1,7 +1,8 @@
-"""The advisor's plot: per-module gradient SQNR per candidate, the proposal marked.
+"""The advisor's plot: per-module gradient SQNR per candidate, the proposal marked, and, with a
+GPU, each module's predicted time in the proposal against bf16.
 
 matplotlib is imported when called (the ``[plot]`` extra), never at ``import mixprec``; the
-figure is built without pyplot.
+figure is built without pyplot. The SQNR axis starts at 0 dB, so that bar lengths compare.
 """
 
 from __future__ import annotations
@@ -21,15 +22,27 @@ _COLORS = ("tab:orange", "tab:blue", "tab:green", "tab:purple", "tab:brown")
 def draw(advice: Advice, path: str | Path | None, ax: Any) -> Any:
     """Horizontal bars, one group per module (in execution order), one bar per candidate."""
     figure_mod = require("matplotlib.figure", "plot", "Advice.plot")
+    timed = advice.step is not None
     if ax is None:
-        height = 1.2 + 0.32 * len(advice.modules) * max(1, len(advice.candidates))
-        fig = figure_mod.Figure(figsize=(8, min(height, 30)), layout="constrained")
-        ax = fig.add_subplot()
+        height = 1.6 + 0.32 * len(advice.modules) * max(1, len(advice.candidates))
+        fig = figure_mod.Figure(figsize=(13 if timed else 8, min(height, 30)), layout="constrained")
+        ax = fig.add_subplot(1, 2, 1) if timed else fig.add_subplot()
+        time_ax = fig.add_subplot(1, 2, 2, sharey=ax) if timed else None
     else:
-        fig = ax.figure
-    left = _left_edge(advice)
-    _bars(ax, advice, left)
-    ax.set_xlim(left=left)
+        fig, time_ax = ax.figure, None
+    _sqnr_panel(ax, advice)
+    if time_ax is not None:
+        _time_panel(time_ax, advice)
+    fig.suptitle(f"mixprec advise: {str(advice.policy) or 'no rules'}", fontsize=9)
+    if path is not None:
+        fig.savefig(path, dpi=100)
+    return fig
+
+
+def _sqnr_panel(ax: Any, advice: Advice) -> None:
+    _bars(ax, advice)
+    right = max([_finite(x) for x in _values(advice)] + [10.0])
+    ax.set_xlim(0.0, 5.0 * math.ceil(right / 5.0 + 0.5))
     if advice.min_sqnr is not None:
         ax.axvline(advice.min_sqnr, color="tab:red", linestyle="--", label="target (whole model)")
     ax.axvline(
@@ -39,35 +52,25 @@ def draw(advice: Advice, path: str | Path | None, ax: Any) -> Any:
         label=f"predicted, proposal ({advice.predicted_sqnr:.1f} dB)",
     )
     ax.set_xlabel(
-        "whole-model gradient SQNR with only this module in the candidate (dB; outlined: chosen)"
+        "whole-model gradient SQNR with only this module in the candidate\n"
+        "(dB against float32, higher is better; outlined: chosen)"
     )
-    ax.set_title(f"mixprec advise: {str(advice.policy) or 'no rules'}", fontsize=9)
     ax.invert_yaxis()
     ax.grid(True, axis="x", alpha=0.3)
-    ax.legend(loc="best", fontsize=8)
-    if path is not None:
-        fig.savefig(path, dpi=100)
-    return fig
+    ax.legend(loc="lower right", fontsize=8)
+
+
+def _values(advice: Advice) -> list[float]:
+    found = [x.model_grad_sqnr for m in advice.modules for x in m.measurements]
+    found += [v for v in (advice.min_sqnr, advice.predicted_sqnr) if v is not None]
+    return [v for v in found if math.isfinite(v)]
 
 
 def _finite(db: float, cap: float = 120.0) -> float:
     return cap if db == math.inf else (0.0 if db == -math.inf else db)
 
 
-def _left_edge(advice: Advice) -> float:
-    """Start the axis a little below the smallest finite figure, so differences show."""
-    values = [
-        x.model_grad_sqnr
-        for m in advice.modules
-        for x in m.measurements
-        if math.isfinite(x.model_grad_sqnr)
-    ]
-    values += [v for v in (advice.min_sqnr, advice.predicted_sqnr) if v is not None]
-    finite = [v for v in values if math.isfinite(v)]
-    return max(0.0, 5.0 * math.floor((min(finite) - 5.0) / 5.0)) if finite else 0.0
-
-
-def _bars(ax: Any, advice: Advice, left: float) -> None:
+def _bars(ax: Any, advice: Advice) -> None:
     n = max(1, len(advice.candidates))
     width = 0.8 / n
     for j, word in enumerate(advice.candidates):
@@ -80,7 +83,7 @@ def _bars(ax: Any, advice: Advice, left: float) -> None:
             if x.model_grad_sqnr == -math.inf:
                 ax.annotate(
                     "inf/NaN",
-                    (left, y),
+                    (0, y),
                     xytext=(3, 0),
                     textcoords="offset points",
                     va="center",
@@ -100,8 +103,47 @@ def _bars(ax: Any, advice: Advice, left: float) -> None:
             linewidth=1.5,
             label=word,
         )
-    labels = [
-        f"{m.name}  [{'kept ' if m.choice == advice.kept_precision else ''}{m.choice}]"
-        for m in advice.modules
+    ax.set_yticks(
+        range(len(advice.modules)),
+        [_label(advice, i) for i in range(len(advice.modules))],
+        fontsize=8,
+    )
+
+
+def _label(advice: Advice, i: int) -> str:
+    m = advice.modules[i]
+    if not m.served:
+        return f"{m.name}  [no candidate: region]"
+    kept = "kept " if m.choice == advice.kept_precision else ""
+    return f"{m.name}  [{kept}{m.choice}]"
+
+
+def _time_panel(ax: Any, advice: Advice) -> None:
+    """Each module's predicted µs per step: the proposal against bf16."""
+    step = advice.step
+    assert step is not None
+    ys = range(len(advice.modules))
+    chosen = [0.0 if m.time is None else m.time.total * 1e6 for m in advice.modules]
+    base = [
+        0.0 if m.kept_time is None else _bf16_us(advice, i) for i, m in enumerate(advice.modules)
     ]
-    ax.set_yticks(range(len(advice.modules)), labels, fontsize=8)
+    ax.barh([y - 0.2 for y in ys], base, height=0.4, color="tab:gray", label="bf16")
+    ax.barh([y + 0.2 for y in ys], chosen, height=0.4, color="tab:green", label="proposal")
+    ax.set_xlabel(
+        f"predicted µs per step on {step.gpu} (three GEMMs + casts)\n"
+        f"step's matmuls: {step.proposal * 1e6:.3g} µs vs {step.baseline * 1e6:.3g} µs in bf16 "
+        f"({step.speedup:.2f}x)"
+    )
+    ax.tick_params(axis="y", labelleft=False)
+    ax.grid(True, axis="x", alpha=0.3)
+    ax.legend(loc="lower right", fontsize=8)
+
+
+def _bf16_us(advice: Advice, i: int) -> float:
+    """The module's time in the region's 16-bit dtype: its kept time around fp8, else its
+    16-bit candidate's."""
+    m = advice.modules[i]
+    if advice.kept_precision != "fp32" and m.kept_time is not None:
+        return m.kept_time.total * 1e6
+    timed = [x.time for x in m.measurements if x.time is not None and x.fp8 is None]
+    return timed[0].total * 1e6 if timed else 0.0

@@ -127,6 +127,37 @@ class ModuleAdvice:
 
 
 @dataclass(frozen=True)
+class Cheapest:
+    """Every measured module in its cheapest finite candidate: the additive model's own check.
+
+    The prediction adds the modules' errors as if they were independent. Measuring one policy,
+    the cheapest, says how far that holds on this model and batch: ``error`` near 0 (an MLP, a
+    transformer: within 0.6 dB in docs/advisor.md) means the predictions can be trusted; a large
+    one (a BatchNorm CNN in fp16: the measured SQNR 3-13 dB above the prediction) means they
+    are a rough bound, and ``check=True`` is the figure to go by.
+
+    Attributes:
+        policy: that policy.
+        predicted: its predicted whole-model gradient SQNR (dB).
+        measured: its measured one (dB).
+    """
+
+    policy: Policy
+    predicted: float
+    measured: float
+
+    @property
+    def error(self) -> float:
+        """``measured - predicted`` in dB (positive: the prediction is pessimistic).
+
+        Host sync: none.
+        """
+        if math.isinf(self.measured) and self.measured == self.predicted:
+            return 0.0
+        return self.measured - self.predicted
+
+
+@dataclass(frozen=True)
 class StepTime:
     """The predicted time of a training step's matmuls on a GPU.
 
@@ -176,6 +207,8 @@ class Advice:
         region_sqnr: the SQNR of the region with every measured module in float32: the error of
             the ops between the measured modules, which no module rule removes.
         measured_sqnr: the SQNR measured with the proposal applied (``check=True``), else None.
+        cheapest: every module in its cheapest finite candidate, predicted and measured: how
+            far the additive prediction is off on this model (:class:`Cheapest`).
         mode: ``"exact"`` or ``"estimate"``.
         passes: forward+backward passes over the batches that the advice took.
         notes: anything else worth knowing (modules that did not run, an unmet target).
@@ -198,6 +231,7 @@ class Advice:
     predicted_sqnr: float
     region_sqnr: float
     measured_sqnr: float | None
+    cheapest: Cheapest | None
     mode: str
     passes: int
     notes: tuple[str, ...] = field(default=())
@@ -240,6 +274,7 @@ class Advice:
                 "predicted_sqnr": self.predicted_sqnr,
                 "region_sqnr": self.region_sqnr,
                 "measured_sqnr": self.measured_sqnr,
+                "cheapest": None if self.cheapest is None else _cheapest_dict(self.cheapest),
                 "mode": self.mode,
                 "passes": self.passes,
                 "notes": list(self.notes),
@@ -290,6 +325,15 @@ def _module_dict(m: ModuleAdvice) -> dict[str, Any]:
         "kept_measurement": None if m.kept_measurement is None else asdict(m.kept_measurement),
         "served": m.served,
         "kept_time": None if m.kept_time is None else asdict(m.kept_time),
+    }
+
+
+def _cheapest_dict(c: Cheapest) -> dict[str, Any]:
+    return {
+        "policy": str(c.policy),
+        "predicted": c.predicted,
+        "measured": c.measured,
+        "error": c.error,
     }
 
 

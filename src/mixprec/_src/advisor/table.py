@@ -159,6 +159,7 @@ def render(advice: Advice) -> str:
     lines.append(_prediction(advice))
     if advice.measured_sqnr is not None:
         lines.append(f"measured:    {fmt_db(advice.measured_sqnr)} dB with the policy applied")
+    lines += _model_check(advice)
     lines += _speed(advice)
     lines += [f"note:        {n}" for n in advice.notes]
     return "\n".join(lines)
@@ -212,6 +213,25 @@ def _prediction(advice: Advice) -> str:
         f"{len(advice.kept)} kept in {advice.kept_precision}{status}; the ops between the "
         f"measured modules alone: {fmt_db(advice.region_sqnr)} dB"
     )
+
+
+def _model_check(advice: Advice) -> list[str]:
+    c = advice.cheapest
+    if c is None:
+        return []
+    line = (
+        f"model check: every module in its cheapest candidate: predicted {fmt_db(c.predicted)} "
+        f"dB, measured {fmt_db(c.measured)} dB"
+    )
+    if not math.isfinite(c.error):
+        return [line]
+    if abs(c.error) <= 1.0:
+        return [f"{line}: the prediction holds here ({c.error:+.1f} dB)"]
+    side = "pessimistic" if c.error > 0 else "optimistic"
+    return [
+        f"{line}: the prediction is {side} by {abs(c.error):.1f} dB here (errors of different "
+        "modules are not independent); trust check=True's measurement"
+    ]
 
 
 def _speed(advice: Advice) -> list[str]:

@@ -1,0 +1,396 @@
+"""``mixprec.Watch``: re-measure a proposed policy during training, warn when it goes stale.
+
+A policy chosen at step 0 can go stale: activations grow outliers (massive activations on a few
+tokens, SwiGLU amplifying channels), a tensor's fp8 scale is then set by a few huge values and
+the rest loses its bits. Every ``every`` steps the watch runs the advisor's passes on a few
+modules (``sample`` of them, taken in turn, plus any module with an alert) on that step's batch:
+one float32 reference pass, then each sampled module alone in its chosen precision and alone in
+the region's 16-bit dtype. It records per module the whole-model gradient SQNR of both and, for
+fp8, the saturated and flushed fractions of its operands.
+
+A whole-model gradient SQNR falls during ordinary training (as the loss converges, the gradient
+becomes a sum of contributions that cancel, while rounding errors do not), for bf16 as for fp8;
+what signals a stale policy is the candidate losing ground against bf16 at the same step. An
+alert is raised when a module's margin over its 16-bit figure falls more than ``tolerance`` dB
+below its margin when the watch first measured it, when its candidate gives inf/NaN, or when its
+fp8 saturated or flushed fraction rises above ``rise`` times its figure in the advice (plus
+0.1%): outliers that set a tensor's scale flush the other values long before an SQNR dominated
+by the outliers themselves moves. An alert is a :class:`~mixprec.errors.MixprecWarning` naming
+the module and the updated proposal (the advice's figures with each module's loss of margin);
+``hook`` sees every check (TensorBoard: ``TensorBoardHook.record_watch``).
+"""
+
+from __future__ import annotations
+
+import math
+import warnings
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+from torch import nn
+
+from mixprec._src.advisor import measure
+from mixprec._src.advisor.candidates import Candidate, parse_candidates, region_dtype
+from mixprec._src.advisor.checks import device_of
+from mixprec._src.advisor.engine import Engine, Job, Target
+from mixprec._src.advisor.metrics import db_to_ratio, ratio_to_db
+from mixprec._src.advisor.propose import Choice, Option, build_policy, search
+from mixprec._src.advisor.report import Advice, Measurement, ModuleAdvice
+from mixprec._src.advisor.state import Guard
+from mixprec._src.autocast.policy import Policy
+from mixprec._src.autocast.rules import format_dtype
+from mixprec.errors import ConfigError, MixprecWarning
+
+#: A rise of a saturated or flushed fraction counts only above this (one value in a thousand).
+FRACTION_FLOOR = 1e-3
+
+
+@dataclass(frozen=True)
+class WatchRecord:
+    """One module measured at one check.
+
+    Attributes:
+        step: the training step (the count of :meth:`Watch.step` calls).
+        name: the module's qualified name.
+        candidate: the precision it was measured in (its choice in the policy).
+        model_grad_sqnr: the whole-model gradient SQNR with only this module in ``candidate``
+            (dB; higher is better), as the advisor measures it.
+        reference_sqnr: the same with the module in the region's 16-bit dtype instead (None
+            when ``candidate`` is itself 16-bit).
+        output_sqnr: the SQNR of the module's own output in ``candidate`` (dB).
+        saturated: fp8: the largest fraction of values at the format's maximum over the
+            module's operands; None for 16-bit.
+        flushed: fp8: the largest fraction of non-zero values flushed to 0; None for 16-bit.
+    """
+
+    step: int
+    name: str
+    candidate: str
+    model_grad_sqnr: float
+    reference_sqnr: float | None
+    output_sqnr: float
+    saturated: float | None
+    flushed: float | None
+
+    @property
+    def margin(self) -> float | None:
+        """How far ``candidate`` is below 16-bit at this step (dB), None for 16-bit.
+
+        Host sync: none.
+        """
+        if self.reference_sqnr is None:
+            return None
+        return self.reference_sqnr - self.model_grad_sqnr
+
+
+@dataclass(frozen=True)
+class WatchReport:
+    """What one check measured and concluded.
+
+    Attributes:
+        step: the training step of the check.
+        records: one per module measured at this check.
+        predicted_sqnr: the advice's prediction with each module's figure lowered by the
+            margin it lost since the watch first measured it.
+        alerts: why the policy looks stale, one sentence per module (empty: all is well).
+        policy: with alerts, the proposal the latest figures give (the advisor's search);
+            None when nothing changes.
+    """
+
+    step: int
+    records: tuple[WatchRecord, ...]
+    predicted_sqnr: float
+    alerts: tuple[str, ...]
+    policy: Policy | None
+
+
+class Watch:
+    """Re-measure an :class:`~mixprec.types.Advice`'s policy every ``every`` training steps.
+
+    Args:
+        model: the model the advice was made for (trained in place).
+        loss_fn: ``loss_fn(model, batch)``, as for :func:`mixprec.advise`.
+        advice: what :func:`mixprec.advise` returned for this model.
+        every: steps between checks (a check costs ``1 + 2 * sample`` forward+backward passes,
+            one fewer per sampled module in a 16-bit candidate).
+        sample: modules measured per check, in turn (modules with an alert are added).
+        tolerance: dB a module's candidate may lose against 16-bit since the watch first
+            measured it.
+        rise: how many times its fraction in the advice an fp8 module's saturated or flushed
+            fraction may reach (plus 0.1%) before an alert.
+        hook: called with every :class:`WatchReport`.
+
+    Raises:
+        ConfigError: a bad argument, or an advice whose modules the model does not have.
+
+    Example:
+        >>> import torch, mixprec, warnings
+        >>> model = torch.nn.Sequential(torch.nn.Linear(8, 8), torch.nn.Tanh(),
+        ...                             torch.nn.Linear(8, 1))
+        >>> batch = (torch.randn(32, 8), torch.randn(32, 1))
+        >>> loss = lambda m, b: torch.nn.functional.mse_loss(m(b[0]), b[1])
+        >>> advice = mixprec.advise(model, batch, loss, candidates=["fp8"])
+        >>> watch = mixprec.Watch(model, loss, advice, every=2, sample=1)
+        >>> watch.step(batch) is None, watch.step() is not None
+        (True, True)
+        >>> [r.name for r in watch.history()]
+        ['0']
+
+    Host sync: none between checks; a check reads its figures back.
+    """
+
+    def __init__(
+        self,
+        model: nn.Module,
+        loss_fn: Callable[[nn.Module, Any], Any],
+        advice: Advice,
+        *,
+        every: int = 100,
+        sample: int = 2,
+        tolerance: float = 6.0,
+        rise: float = 2.0,
+        hook: Callable[[WatchReport], object] | None = None,
+    ) -> None:
+        _check(model, loss_fn, advice, (every, sample), (tolerance, rise), hook)
+        self.model, self.loss_fn, self.advice = model, loss_fn, advice
+        self.every, self.sample = every, sample
+        self.tolerance, self.rise, self.hook = tolerance, rise, hook
+        names = dict(model.named_modules())
+        self._watched = [m for m in advice.modules if m.served and m.choice in m.candidates]
+        self._modules = {m.name: names[m.name] for m in self._watched}
+        self._margins: dict[str, float] = {}  # the first margin measured, per module
+        self._lost: dict[str, float] = {}  # dB of margin lost since then
+        self._flagged: set[str] = set()
+        self._records: list[WatchRecord] = []
+        self._steps = 0
+        self._turn = 0
+        self._batch: Any = None
+        self.last: WatchReport | None = None
+
+    def step(self, batch: Any = None) -> WatchReport | None:
+        """Count a training step; at every ``every``-th, check on ``batch`` (default: the last
+        batch passed) and return the :class:`WatchReport`, else None.
+
+        Call it after the optimizer step. The model's parameters, buffers, ``.grad``, training
+        flags and RNG state are left as they were.
+
+        Raises:
+            ConfigError: a check is due and no batch was ever passed.
+
+        Host sync: none between checks; a check reads its figures back.
+        """
+        self._steps += 1
+        if batch is not None:
+            self._batch = batch
+        if self._steps % self.every or not self._watched:
+            return None
+        if self._batch is None:
+            raise ConfigError("Watch.step() has no batch to check on: pass the step's batch")
+        report = self._check(self._batch)
+        self.last = report
+        if report.alerts:
+            warnings.warn(_message(report), MixprecWarning, stacklevel=2)
+        if self.hook is not None:
+            self.hook(report)
+        return report
+
+    def history(self) -> list[WatchRecord]:
+        """Every record so far, in the order measured. Host sync: none."""
+        return list(self._records)
+
+    def _picked(self) -> list[ModuleAdvice]:
+        rows = [m for m in self._watched if m.name in self._flagged]
+        for _ in range(len(self._watched)):
+            if len(rows) >= self.sample + len(self._flagged):
+                break
+            row = self._watched[self._turn % len(self._watched)]
+            self._turn += 1
+            if row not in rows:
+                rows.append(row)
+        return rows
+
+    def _check(self, batch: Any) -> WatchReport:
+        rows = self._picked()
+        records = self._measure(rows, batch)
+        alerts = []
+        for rec in records:
+            problem = self._problem(rec, _row(self.advice, rec.name))
+            (self._flagged.add if problem else self._flagged.discard)(rec.name)
+            if problem:
+                alerts.append(problem)
+        self._records += records
+        policy = self._proposal() if alerts else None
+        return WatchReport(self._steps, tuple(records), self._predicted(), tuple(alerts), policy)
+
+    def _measure(self, rows: Sequence[ModuleAdvice], batch: Any) -> list[WatchRecord]:
+        advice, model = self.advice, self.model
+        device = device_of(model)
+        cands = parse_candidates(list(advice.candidates), device.type)
+        job = Job(model, [batch], self.loss_fn, device, cands, region_dtype(cands))
+        params = list(model.parameters())
+        position = {id(p): i for i, p in enumerate(params)}
+        targets = [
+            Target(
+                r.name,
+                self._modules[r.name],
+                sorted({position[id(p)] for p in self._modules[r.name].parameters()}),
+            )
+            for r in rows
+        ]
+        high = Candidate(format_dtype(job.region), job.region)
+        with Guard(model, device) as guard:
+            engine = Engine(job, guard)
+            engine.run_reference(targets)
+            engine.scale = advice.init_scale or 1.0
+            found = []
+            for t, r in zip(targets, rows, strict=True):
+                cand = _candidate(cands, r.choice)
+                ref = None if cand.dtype is not None else measure.isolated(engine, t, high)
+                found.append(_record(self._steps, r, measure.isolated(engine, t, cand), ref))
+        return found
+
+    def _problem(self, rec: WatchRecord, row: ModuleAdvice) -> str | None:
+        if rec.model_grad_sqnr == -math.inf:
+            return f"{rec.name} ({rec.candidate}) gives inf/NaN"
+        margin = rec.margin
+        if margin is not None:
+            first = self._margins.setdefault(rec.name, margin)
+            self._lost[rec.name] = max(0.0, margin - first)
+            if margin - first > self.tolerance:
+                return (
+                    f"{rec.name} ({rec.candidate}) is {margin:.1f} dB below bf16 at this step, "
+                    f"{first:.1f} dB when first measured"
+                )
+        before = row.measurement(rec.candidate)
+        for what, now, was in (
+            ("saturates", rec.saturated, _saturation(before)),
+            ("flushes to 0", rec.flushed, _flushed(before)),
+        ):
+            if now is not None and was is not None and now > self.rise * was + FRACTION_FLOOR:
+                return (
+                    f"{rec.name} ({rec.candidate}) {what} {100 * now:.2g}% of an operand's "
+                    f"values, {100 * was:.2g}% in the advice"
+                )
+        return None
+
+    def _ratio(self, row: ModuleAdvice) -> float:
+        chosen = row.measurement(row.choice)
+        db = chosen.model_grad_sqnr if chosen is not None else math.inf
+        return db_to_ratio(db - self._lost.get(row.name, 0.0))
+
+    def _predicted(self) -> float:
+        advice = self.advice
+        noise = db_to_ratio(advice.region_sqnr)
+        for row in advice.modules:
+            if not row.served:
+                continue
+            if row in self._watched:
+                noise += self._ratio(row)
+            elif row.kept_measurement is not None:
+                noise += db_to_ratio(row.kept_measurement.model_grad_sqnr)
+        return ratio_to_db(noise)
+
+    def _proposal(self) -> Policy | None:
+        advice = self.advice
+        served = [m for m in advice.modules if m.served]
+        choices = [
+            _choice(m, self._lost.get(m.name, 0.0), advice.kept_precision, m.name in self._flagged)
+            for m in served
+        ]
+        found = search(
+            choices, db_to_ratio(advice.region_sqnr), advice.min_sqnr, advice.keep_at_most
+        )
+        picked = {c.name: c.current.word for c in found.choices}
+        names = [m.name for m in served]
+        policy = build_policy(self.model, picked, format_dtype(advice.dtype), names)
+        return None if policy == advice.policy else policy
+
+
+def _check(
+    model: object,
+    loss_fn: object,
+    advice: object,
+    counts: tuple[object, object],
+    limits: tuple[object, object],
+    hook: object,
+) -> None:
+    if not isinstance(model, nn.Module):
+        raise ConfigError(f"model must be a torch.nn.Module, got {type(model).__name__}")
+    if not callable(loss_fn):
+        raise ConfigError("loss_fn must be callable as loss_fn(model, batch)")
+    if not isinstance(advice, Advice):
+        raise ConfigError(
+            f"advice must be what mixprec.advise returned, got {type(advice).__name__}"
+        )
+    for name, value in zip(("every", "sample"), counts, strict=True):
+        if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+            raise ConfigError(f"{name} must be an int >= 1, got {value!r}")
+    for name, value in zip(("tolerance", "rise"), limits, strict=True):
+        if isinstance(value, bool) or not isinstance(value, (int, float)) or not value >= 0:
+            raise ConfigError(f"{name} must be a number >= 0, got {value!r}")
+    if hook is not None and not callable(hook):
+        raise ConfigError(f"hook must be None or a function of a WatchReport, got {hook!r}")
+    named = dict(model.named_modules())
+    missing = [m.name for m in advice.modules if m.name not in named]
+    if missing:
+        raise ConfigError(f"the advice names modules the model does not have: {missing[:5]}")
+
+
+def _row(advice: Advice, name: str) -> ModuleAdvice:
+    return next(m for m in advice.modules if m.name == name)
+
+
+def _candidate(cands: Sequence[Candidate], word: str) -> Candidate:
+    return next(c for c in cands if c.word == word)
+
+
+def _saturation(m: Measurement | None) -> float | None:
+    if m is None or m.fp8 is None:
+        return None
+    return max(m.fp8.input.saturated, m.fp8.weight.saturated, m.fp8.grad_output.saturated)
+
+
+def _flushed(m: Measurement | None) -> float | None:
+    if m is None or m.fp8 is None:
+        return None
+    return max(m.fp8.input.flushed, m.fp8.weight.flushed, m.fp8.grad_output.flushed)
+
+
+def _record(step: int, row: ModuleAdvice, m: Measurement, ref: Measurement | None) -> WatchRecord:
+    return WatchRecord(
+        step,
+        row.name,
+        row.choice,
+        m.model_grad_sqnr,
+        None if ref is None else ref.model_grad_sqnr,
+        m.output_sqnr,
+        _saturation(m),
+        _flushed(m),
+    )
+
+
+def _choice(row: ModuleAdvice, lost: float, kept_word: str, flagged: bool) -> Choice:
+    """The module's options in the advice, its chosen one lowered by the margin it lost (ruled
+    out when the module has an alert)."""
+    options = []
+    for m in row.measurements:
+        db = m.model_grad_sqnr - (lost if m.candidate == row.choice else 0.0)
+        if flagged and m.candidate == row.choice:
+            db = -math.inf
+        options.append(Option(m.candidate, db_to_ratio(db) if db != -math.inf else math.inf, db))
+    kept = row.kept_measurement
+    kept_db = math.inf if kept is None else kept.model_grad_sqnr
+    options.append(Option(kept_word, db_to_ratio(kept_db), kept_db))
+    return Choice(row.name, options)
+
+
+def _db(db: float) -> str:
+    return "inf/NaN" if db == -math.inf else f"{db:.1f} dB"
+
+
+def _message(report: WatchReport) -> str:
+    text = f"mixprec.Watch at step {report.step}: " + "; ".join(report.alerts)
+    if report.policy is not None:
+        text += f". The latest figures propose: {report.policy}"
+    return text

@@ -1,0 +1,159 @@
+"""mixprec.Watch: re-measures a policy during training, leaves the model's state alone, warns
+when outliers squeeze an fp8 tensor, proposes the updated policy, writes TensorBoard scalars."""
+
+from __future__ import annotations
+
+import copy
+import math
+import random
+import warnings
+from typing import Any
+
+import pytest
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+import mixprec
+from mixprec.errors import ConfigError, MixprecWarning
+
+SINKS = 4
+
+
+def _model() -> nn.Module:
+    torch.manual_seed(0)
+    return nn.Sequential(
+        nn.Linear(16, 32), nn.GELU(), nn.Linear(32, 32), nn.GELU(), nn.Linear(32, 4)
+    )
+
+
+def _batch(gain: float, seed: int = 1) -> tuple[torch.Tensor, torch.Tensor]:
+    gen = torch.Generator().manual_seed(seed)
+    x = torch.randn(128, 16, generator=gen)
+    y = torch.sin(x[:, :4])
+    x[:SINKS] *= gain  # rows the loss leaves out
+    return x, y
+
+
+def loss_fn(model: nn.Module, batch: Any) -> torch.Tensor:
+    x, y = batch
+    return F.mse_loss(model(x)[SINKS:], y[SINKS:])
+
+
+@pytest.fixture(scope="module")
+def advice() -> mixprec.types.Advice:
+    return mixprec.advise(
+        _model(), _batch(1.0), loss_fn, candidates=["fp8", "fp8:rowwise"], min_sqnr=20.0
+    )
+
+
+def test_checks_every_n_steps_in_turn_and_reuses_the_last_batch(advice: Any) -> None:
+    model = _model()
+    watch = mixprec.Watch(model, loss_fn, advice, every=3, sample=1)
+    reports = [watch.step(_batch(1.0) if i == 0 else None) for i in range(9)]
+    assert [r is not None for r in reports] == [False, False, True] * 3
+    assert [r.step for r in reports if r is not None] == [3, 6, 9]
+    names = [rec.name for rec in watch.history()]
+    assert names == ["0", "2", "4"]  # one module per check, in turn
+    for rec in watch.history():
+        assert rec.candidate == "fp8" and rec.reference_sqnr is not None
+        assert rec.margin is not None and 0 < rec.margin < 40  # fp8 below bf16
+        assert rec.saturated is not None and rec.flushed is not None
+    assert all(not r.alerts for r in reports if r is not None)  # nothing changed
+
+
+def test_a_check_leaves_parameters_grads_rng_and_mode_as_they_were(advice: Any) -> None:
+    model = _model()
+    loss_fn(model, _batch(1.0)).backward()
+    model.eval()
+    params = [p.detach().clone() for p in model.parameters()]
+    grads = [p.grad for p in model.parameters()]
+    rng, py = torch.get_rng_state(), random.getstate()
+    watch = mixprec.Watch(model, loss_fn, advice, every=1, sample=3)
+    assert watch.step(_batch(1.0)) is not None
+    assert all(torch.equal(a, b) for a, b in zip(params, model.parameters(), strict=True))
+    assert all(a is p.grad for a, p in zip(grads, model.parameters(), strict=True))
+    assert torch.equal(rng, torch.get_rng_state()) and py == random.getstate()
+    assert not any(m.training for m in model.modules())
+
+
+def test_growing_outliers_raise_a_warning_and_propose_rowwise(advice: Any) -> None:
+    model = _model()
+    seen: list[Any] = []
+    watch = mixprec.Watch(model, loss_fn, advice, every=1, sample=3, hook=seen.append)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        assert not watch.step(_batch(1.0)).alerts  # the first check: the margins' baseline
+    with pytest.warns(MixprecWarning, match=r"dB below bf16 at this step.*propose: .*rowwise"):
+        report = watch.step(_batch(1e6))
+    assert report is not None and report.alerts and len(seen) == 2
+    assert report.policy is not None and report.policy != advice.policy
+    flushed = {rec.name: rec.flushed for rec in report.records}
+    assert min(flushed.values()) > 0.5  # the sinks squeeze every other row below e4m3
+    lost = [rec.margin for rec in report.records]
+    first = [rec.margin for rec in watch.history()[:3]]
+    assert all(a > b + 6 for a, b in zip(lost, first, strict=True))
+    assert report.predicted_sqnr < advice.predicted_sqnr - 6
+    assert set(watch._flagged) == {"0", "2", "4"}  # checked again at the next check
+
+
+def test_a_16_bit_advice_is_watched_without_a_reference_pass() -> None:
+    model = _model()
+    advice = mixprec.advise(model, _batch(1.0), loss_fn, candidates=["fp16"])
+    watch = mixprec.Watch(model, loss_fn, advice, every=1, sample=2)
+    report = watch.step(_batch(1.0))
+    assert report is not None and not report.alerts
+    assert all(rec.reference_sqnr is None and rec.margin is None for rec in report.records)
+    assert all(rec.saturated is None for rec in report.records)
+    with pytest.warns(MixprecWarning, match="gives inf/NaN.*propose: .*=fp32"):
+        report = watch.step(_batch(1e8))  # fp16 overflows: inf
+    assert report is not None and any("inf/NaN" in a for a in report.alerts)
+
+
+@pytest.mark.parametrize(
+    ("kwargs", "match"),
+    [
+        ({"every": 0}, "every must be an int >= 1"),
+        ({"sample": 1.5}, "sample must be an int >= 1"),
+        ({"tolerance": -1}, "tolerance must be a number >= 0"),
+        ({"rise": math.nan}, "rise must be a number >= 0"),
+        ({"hook": 3}, "hook must be None or a function"),
+    ],
+)
+def test_bad_arguments(advice: Any, kwargs: dict[str, Any], match: str) -> None:
+    with pytest.raises(ConfigError, match=match):
+        mixprec.Watch(_model(), loss_fn, advice, **kwargs)
+
+
+def test_an_advice_for_another_model_and_a_check_without_a_batch(advice: Any) -> None:
+    with pytest.raises(ConfigError, match="modules the model does not have"):
+        mixprec.Watch(nn.Sequential(nn.Linear(16, 4)), loss_fn, advice)
+    with pytest.raises(ConfigError, match=r"must be what mixprec\.advise returned"):
+        mixprec.Watch(_model(), loss_fn, "nn.Linear=fp8")
+    watch = mixprec.Watch(_model(), loss_fn, advice, every=1)
+    with pytest.raises(ConfigError, match="no batch to check on"):
+        watch.step()
+
+
+class _Writer:
+    def __init__(self) -> None:
+        self.scalars: list[tuple[str, float, int]] = []
+
+    def add_scalar(self, tag: str, value: float, step: int) -> None:
+        self.scalars.append((tag, float(value), step))
+
+
+def test_tensorboard_scalars(advice: Any) -> None:
+    from mixprec.integrations.tensorboard import TensorBoardHook
+
+    writer = _Writer()
+    board = TensorBoardHook(writer)
+    watch = mixprec.Watch(
+        copy.deepcopy(_model()), loss_fn, advice, every=2, hook=board.record_watch
+    )
+    watch.step(_batch(1.0))
+    watch.step()
+    tags = {tag for tag, _, _ in writer.scalars}
+    assert {"mixprec/watch/predicted_sqnr", "mixprec/watch/alerts"} <= tags
+    assert {"mixprec/watch/0/sqnr", "mixprec/watch/0/margin", "mixprec/watch/0/flushed"} <= tags
+    assert {step for _, _, step in writer.scalars} == {2}
