@@ -8,10 +8,11 @@ no gradient), but an fp8 tensor's single scale is set by its largest value: the 
 every other value below the format's range, where it is flushed to zero. The same model trained
 in bf16, side by side, is the reference.
 
-The watch re-measures two modules every 10 steps (three passes each check). It raises an alert
-when a module's fp8 flushed fraction rises, or when it loses ground against bf16 at the same
-step, and proposes the policy the new figures give (here: rowwise scaling, whose per-row scales
-the sinks cannot squeeze). The loss tells the same story only later.
+The watch re-measures one module every 10 steps, in turn (two passes each check, one more the
+first time). It raises an alert when a module's fp8 flushed fraction rises, or when it loses
+ground against bf16 at the same step, and proposes the policy the new figures give (here:
+rowwise scaling, whose per-row scales the sinks cannot squeeze). The loss tells the same story
+only later.
 
 Run: ``python examples/watch_drift.py`` (a few seconds).
 """
@@ -93,7 +94,7 @@ def first_loss_gap(low: list[float], ref: list[float], factor: float = 1.5) -> i
 
 
 def main() -> None:
-    torch.set_num_threads(1)  # a small model: one thread is as fast, and steady on a busy CPU
+    torch.set_num_threads(1)  # a small model: one thread is as fast, and steadier
     advice = mixprec.advise(
         make_model(),
         make_batch(0, torch.Generator().manual_seed(1)),

@@ -77,7 +77,14 @@ def test_benchmark_quick_prints_every_table(capsys: pytest.CaptureFixture[str]) 
     spec.loader.exec_module(bench)
     assert bench.main(["--quick", "--threads", "1"]) == 0
     out = capsys.readouterr().out
-    for text in ("| exact |", "| exact + check |", "| fp8 |", "torchao", "fp16 target: kept"):
+    for text in (
+        "| exact |",
+        "| exact + check |",
+        "| fp8 |",
+        "torchao",
+        "fp16 target: kept",
+        "overhead at every=100",
+    ):
         assert text in out, text
     assert "deterministic: yes" in out
 

@@ -7,7 +7,14 @@ read-only view.
 
 from __future__ import annotations
 
-from mixprec._src.advisor.report import Advice, Fp16Range, Measurement, ModuleAdvice, StepTime
+from mixprec._src.advisor.report import (
+    Advice,
+    Cheapest,
+    Fp16Range,
+    Measurement,
+    ModuleAdvice,
+    StepTime,
+)
 from mixprec._src.advisor.speed import Time
 from mixprec._src.advisor.watch import WatchRecord, WatchReport
 from mixprec._src.anomaly import NonFiniteFinder, NonFiniteReport
@@ -21,6 +28,7 @@ from mixprec._src.scaling.telemetry import HistoryEntry, ScalerStats, UpdateEven
 
 __all__ = [
     "Advice",
+    "Cheapest",
     "Diagnosis",
     "DtypeReport",
     "FlatGrads",

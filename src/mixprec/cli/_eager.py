@@ -2,9 +2,9 @@
 
 ``torch.optim.Optimizer`` wraps ``add_param_group`` (run by every constructor) and
 ``zero_grad`` in ``torch._disable_dynamo``, and each optimizer's ``step`` in a graph break for
-``torch.compile``; the first call of each imports ``torch._dynamo``, which takes seconds
-(1.5-10 s on a busy 2-core machine): longer than a short demo. Outside ``torch.compile`` these
-wrappers change nothing, so the demo, which compiles nothing, calls the functions they wrap.
+``torch.compile``; the first call of each imports ``torch._dynamo``, which takes seconds, longer
+than a short demo. Outside ``torch.compile`` these wrappers change nothing, so the demo, which
+compiles nothing, calls the functions they wrap.
 The numbers are torch's: ``tests/test_demo.py`` checks the demo's scaled run bit for bit against
 ``torch.optim.Adam`` with ``torch.amp.GradScaler``.
 """

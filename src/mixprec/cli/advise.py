@@ -46,8 +46,8 @@ def _add_arguments(p: argparse.ArgumentParser) -> None:
         type=float,
         metavar="DB",
         help="target: the least whole-model gradient SQNR (signal-to-quantization-noise ratio "
-        "against float32, in dB; higher is better: bf16 is about 47, fp8 20-35) (default: "
-        "none: only --keep-at-most, or the cheapest finite candidates)",
+        "against float32, in dB; higher is better: one tensor rounded to bf16 is about 47, to "
+        "fp8 21-29) (default: none: only --keep-at-most, or the cheapest finite candidates)",
     )
     p.add_argument(
         "--keep-at-most",
@@ -286,7 +286,8 @@ COMMAND = Command(
         "loss_fn(model, batch) returns the loss. Prints the advisor's table (or JSON); see\n"
         "docs/advisor.md.\n\n"
         "Error is measured as SQNR, the signal-to-quantization-noise ratio of the gradients\n"
-        "against float32, in dB: higher is better (bf16 about 47 dB, fp8 20-35 dB)."
+        "against float32, in dB: higher is better (one tensor rounded to bf16: about 47 dB,\n"
+        "to fp8: 21-29 dB)."
     ),
     examples=(
         f"mixprec advise {_EXAMPLE} --candidates fp8 --min-sqnr 30 --keep-at-most 2 --check",

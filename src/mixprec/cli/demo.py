@@ -163,7 +163,7 @@ def _intro(config: dict[str, Any]) -> str:
 @contextlib.contextmanager
 def _cpu_threads(device: torch.device) -> Iterator[int]:
     """One intra-op thread on the CPU unless OMP_NUM_THREADS says otherwise: the network is
-    small, and one thread is as fast and much steadier on a busy machine."""
+    small, and one thread is as fast and steadier when other processes hold the cores."""
     before = torch.get_num_threads()
     if device.type != "cpu" or "OMP_NUM_THREADS" in os.environ:
         yield before

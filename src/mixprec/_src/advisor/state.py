@@ -20,7 +20,7 @@ from torch import nn
 from mixprec.errors import ConfigError
 
 # mixprec.autocast keeps its per-module records in instance attributes with this prefix
-# (see mixprec._src.autocast._modules); records the advisor's regions created are removed.
+# (see mixprec._src.autocast.modules); records the advisor's regions created are removed.
 _MIXPREC_ATTR_PREFIX = "_mixprec_"
 _RULE_ATTR = "_mixprec_rule"
 

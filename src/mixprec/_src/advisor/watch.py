@@ -4,9 +4,10 @@ A policy chosen at step 0 can go stale: activations grow outliers (massive activ
 tokens, SwiGLU amplifying channels), a tensor's fp8 scale is then set by a few huge values and
 the rest loses its bits. Every ``every`` steps the watch runs the advisor's passes on a few
 modules (``sample`` of them, taken in turn, plus any module with an alert) on that step's batch:
-one float32 reference pass, then each sampled module alone in its chosen precision and alone in
-the region's 16-bit dtype. It records per module the whole-model gradient SQNR of both and, for
-fp8, the saturated and flushed fractions of its operands.
+one float32 reference pass, then each sampled module alone in its chosen precision and, the first
+time and whenever that figure fell more than ``tolerance`` dB since, alone in the region's 16-bit
+dtype. It records per module the whole-model gradient SQNR of both and, for fp8, the saturated
+and flushed fractions of its operands.
 
 A whole-model gradient SQNR falls during ordinary training (as the loss converges, the gradient
 becomes a sum of contributions that cancel, while rounding errors do not), for bf16 as for fp8;
@@ -56,8 +57,8 @@ class WatchRecord:
         candidate: the precision it was measured in (its choice in the policy).
         model_grad_sqnr: the whole-model gradient SQNR with only this module in ``candidate``
             (dB; higher is better), as the advisor measures it.
-        reference_sqnr: the same with the module in the region's 16-bit dtype instead (None
-            when ``candidate`` is itself 16-bit).
+        reference_sqnr: the same with the module in the region's 16-bit dtype instead, when
+            this check measured it (None: not measured, or ``candidate`` is itself 16-bit).
         output_sqnr: the SQNR of the module's own output in ``candidate`` (dB).
         saturated: fp8: the largest fraction of values at the format's maximum over the
             module's operands; None for 16-bit.
@@ -75,7 +76,7 @@ class WatchRecord:
 
     @property
     def margin(self) -> float | None:
-        """How far ``candidate`` is below 16-bit at this step (dB), None for 16-bit.
+        """How far ``candidate`` is below 16-bit at this step (dB), None when not measured.
 
         Host sync: none.
         """
@@ -112,8 +113,9 @@ class Watch:
         model: the model the advice was made for (trained in place).
         loss_fn: ``loss_fn(model, batch)``, as for :func:`mixprec.advise`.
         advice: what :func:`mixprec.advise` returned for this model.
-        every: steps between checks (a check costs ``1 + 2 * sample`` forward+backward passes,
-            one fewer per sampled module in a 16-bit candidate).
+        every: steps between checks (a check costs ``1 + sample`` forward+backward passes, and
+            one more for a module whose SQNR fell more than ``tolerance`` since it was last
+            compared with 16-bit).
         sample: modules measured per check, in turn (modules with an alert are added).
         tolerance: dB a module's candidate may lose against 16-bit since the watch first
             measured it.
@@ -147,7 +149,7 @@ class Watch:
         advice: Advice,
         *,
         every: int = 100,
-        sample: int = 2,
+        sample: int = 1,
         tolerance: float = 6.0,
         rise: float = 2.0,
         hook: Callable[[WatchReport], object] | None = None,
@@ -160,7 +162,8 @@ class Watch:
         self._watched = [m for m in advice.modules if m.served and m.choice in m.candidates]
         self._modules = {m.name: names[m.name] for m in self._watched}
         self._margins: dict[str, float] = {}  # the first margin measured, per module
-        self._lost: dict[str, float] = {}  # dB of margin lost since then
+        self._level: dict[str, float] = {}  # the SQNR when the margin was last measured
+        self._lost: dict[str, float] = {}  # dB of margin lost since the first
         self._flagged: set[str] = set()
         self._records: list[WatchRecord] = []
         self._steps = 0
@@ -246,9 +249,23 @@ class Watch:
             found = []
             for t, r in zip(targets, rows, strict=True):
                 cand = _candidate(cands, r.choice)
-                ref = None if cand.dtype is not None else measure.isolated(engine, t, high)
-                found.append(_record(self._steps, r, measure.isolated(engine, t, cand), ref))
+                got = measure.isolated(engine, t, cand)
+                ref = (
+                    measure.isolated(engine, t, high)
+                    if self._needs_reference(r, cand, got)
+                    else None
+                )
+                found.append(_record(self._steps, r, got, ref))
         return found
+
+    def _needs_reference(self, row: ModuleAdvice, cand: Candidate, got: Measurement) -> bool:
+        """The 16-bit pass is run the first time a module in a recipe is measured, and when
+        its SQNR fell more than ``tolerance`` since: it tells the module's own loss from the
+        whole gradient's drift."""
+        if cand.dtype is not None or got.model_grad_sqnr == -math.inf:
+            return False
+        level = self._level.get(row.name)
+        return level is None or got.model_grad_sqnr < level - self.tolerance
 
     def _problem(self, rec: WatchRecord, row: ModuleAdvice) -> str | None:
         if rec.model_grad_sqnr == -math.inf:
@@ -256,6 +273,7 @@ class Watch:
         margin = rec.margin
         if margin is not None:
             first = self._margins.setdefault(rec.name, margin)
+            self._level[rec.name] = rec.model_grad_sqnr
             self._lost[rec.name] = max(0.0, margin - first)
             if margin - first > self.tolerance:
                 return (
