@@ -1,17 +1,22 @@
-"""fp8 recipes on Linear(1024,1024)-GELU-Linear(1024,1024), batch 256: numerics and time.
+"""Low-precision recipes on Linear(1024,1024)-GELU-Linear(1024,1024), batch 256: numerics, time.
 
 Numerics: SQNR in dB against the fp32 model of the output, the input gradient and both weight
-gradients, for each recipe run by mixprec (``Policy("nn.Linear=fp8:<recipe>")`` inside a bf16
-region) and by torchao.float8's emulated ``Float8Linear`` on the same bf16 input (the same
-arithmetic), plus bf16 autocast for scale; then again with 8 outlier input rows (x100).
+gradients, for each recipe run by mixprec (``Policy("nn.Linear=<rule word>")`` inside a bf16
+region: ``fp8``, ``fp8:rowwise``, ``fp8:rowwise_gw_hp``, ``fp8:blockwise``, ``mxfp8``,
+``nvfp4``) and by torchao where it has the recipe: torchao.float8's emulated ``Float8Linear`` on
+the same bf16 input (the same arithmetic), and torchao's emulated MXFP8 training
+(``MXFP8_EMULATED_RCEIL``), run in fp32 (it refuses a bf16 input beside fp32 weights) with each
+Linear's bias added outside it (its MXFP8 Linear drops the bias: docs/fp8.md); plus bf16
+autocast for scale; then again with 8 outlier input rows (x100).
 
 Time: forward+backward per configuration, eager and ``torch.compile``d (inductor), measured side
 by side in one process (shuffled rounds, medians), printed relative to fp32, to bf16 autocast and
-to torchao's emulated path on the same recipe. On a CUDA device with fp8 support mixprec takes
-``torch._scaled_mm``; on the CPU fp8 is a numerics simulator and its speed is that of emulation.
+to torchao's emulated path on the same recipe. On a CUDA device with the kernels mixprec takes
+the hardware path; on the CPU low precision is a numerics simulator and its speed is that of
+emulation.
 
 Run: ``python benchmarks/bench_fp8.py [--rounds 7] [--device cpu|cuda] [--no-compile]
-[--recipes tensorwise,rowwise,rowwise_gw_hp] [--batch 256] [--width 1024]``.
+[--recipes tensorwise,rowwise,rowwise_gw_hp,blockwise,mxfp8,nvfp4] [--batch 256] [--width 1024]``.
 """
 
 from __future__ import annotations
@@ -30,12 +35,14 @@ import torch
 from torch import nn
 
 import mixprec
+from mixprec._src.fp8.recipes import rule_word
 
-RECIPES = ("tensorwise", "rowwise", "rowwise_gw_hp")
-TORCHAO_NAME = {
+RECIPES = ("tensorwise", "rowwise", "rowwise_gw_hp", "blockwise", "mxfp8", "nvfp4")
+TORCHAO_NAME = {  # torchao.float8's recipe names; "mxfp8" is its prototype MXFP8 training
     "tensorwise": "tensorwise",
     "rowwise": "rowwise",
     "rowwise_gw_hp": "rowwise_with_gw_hp",
+    "mxfp8": "mxfp8",
 }
 
 
@@ -73,12 +80,51 @@ def make_step(
     return step
 
 
+class _Bias(nn.Module):
+    """A Linear's bias added after it (torchao 0.18's MXFP8 Linear drops its own)."""
+
+    def __init__(self, bias: nn.Parameter) -> None:
+        super().__init__()
+        self.bias = bias
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return x + self.bias
+
+
 def torchao_model(model: nn.Module, recipe: str) -> nn.Module:
+    if recipe == "mxfp8":
+        return _torchao_mxfp8(model)
     from torchao.float8 import Float8LinearConfig, convert_to_float8_training
 
     config = Float8LinearConfig.from_recipe_name(TORCHAO_NAME[recipe])
     config = dataclasses.replace(config, emulate=True)
     return convert_to_float8_training(copy.deepcopy(model), config=config)
+
+
+def _torchao_mxfp8(model: nn.Module) -> nn.Module:
+    from torchao.prototype.moe_training.config import (
+        MXFP8TrainingOpConfig,
+        MXFP8TrainingRecipe,
+    )
+    from torchao.quantization import quantize_
+
+    layers: list[nn.Module] = []
+    for mod in copy.deepcopy(model):
+        if isinstance(mod, nn.Linear) and mod.bias is not None:
+            bare = nn.Linear(mod.in_features, mod.out_features, bias=False)
+            bare.weight = mod.weight
+            layers += [bare, _Bias(mod.bias)]
+        else:
+            layers.append(mod)
+    out = nn.Sequential(*layers)
+    config = MXFP8TrainingOpConfig.from_recipe(MXFP8TrainingRecipe.MXFP8_EMULATED_RCEIL)
+    quantize_(out, config, filter_fn=lambda mod, fqn: isinstance(mod, nn.Linear))
+    return out
+
+
+def _torchao_input(recipe: str) -> torch.dtype | None:
+    """torchao.float8 runs on the bf16 input; its MXFP8 refuses bf16 beside fp32 weights."""
+    return None if recipe == "mxfp8" else torch.bfloat16
 
 
 def configurations(model: nn.Module, device: str, recipes: list[str]) -> dict[str, Step]:
@@ -88,11 +134,13 @@ def configurations(model: nn.Module, device: str, recipes: list[str]) -> dict[st
         "bf16 autocast": make_step(model, lambda: torch.autocast(device, dtype=bf16)),
     }
     for r in recipes:
-        policy = mixprec.Policy(f"nn.Linear=fp8:{r}")
+        policy = mixprec.Policy(f"nn.Linear={rule_word(r)}")
         confs[f"mixprec {r}"] = make_step(  # its own copy: no rule bindings shared
             copy.deepcopy(model), lambda p=policy: mixprec.autocast(device, bf16, policy=p)
         )
-        confs[f"torchao {r}"] = make_step(torchao_model(model, r), nullcontext, cast_input=bf16)
+        if r in TORCHAO_NAME:
+            ao = torchao_model(model, r)
+            confs[f"torchao {r}"] = make_step(ao, nullcontext, cast_input=_torchao_input(r))
     return confs
 
 
@@ -136,8 +184,9 @@ def time_table(med: dict[str, float], label: str) -> list[str]:
     rows = []
     for name, t in med.items():
         rel_ao = ""
-        if name.startswith("mixprec "):
-            rel_ao = f"{t / med['torchao ' + name.split()[1]]:.2f}"
+        theirs = med.get("torchao " + name.split()[-1])
+        if name.startswith("mixprec ") and theirs is not None:
+            rel_ao = f"{t / theirs:.2f}"
         rows.append(
             f"| {label:<8} | {name:<22} | {t * 1e3:9.1f} | {t / med['fp32']:6.2f} | "
             f"{t / med['bf16 autocast']:6.2f} | {rel_ao:>10} |"
@@ -196,12 +245,12 @@ def _compiled(name: str, model: nn.Module, device: str) -> Step:
     inner = copy.deepcopy(inner)
     inner.compile()  # in place: the region's module hooks see the model itself
     if name.startswith("torchao "):
-        return make_step(inner, nullcontext, cast_input=bf16)
+        return make_step(inner, nullcontext, cast_input=_torchao_input(name.split()[1]))
     if name == "fp32":
         return make_step(inner, nullcontext)
     if name == "bf16 autocast":
         return make_step(inner, lambda: torch.autocast(device, dtype=bf16))
-    policy = mixprec.Policy(f"nn.Linear=fp8:{name.split()[1]}")
+    policy = mixprec.Policy(f"nn.Linear={rule_word(name.split()[1])}")
     return make_step(inner, lambda: mixprec.autocast(device, bf16, policy=policy))
 
 

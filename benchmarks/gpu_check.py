@@ -13,10 +13,13 @@
 4. Host syncs per iteration (``torch.cuda.set_sync_debug_mode("warn")``, counting warnings) for
    plain and fused optimizers, mixprec against torch.amp; a fused optimizer must need none
    after its first step, with or without clipping.
-5. fp8 (#14): whether the device takes ``torch._scaled_mm``, and for each recipe the fp8 Linear's
-   output and gradients through it against the emulated path (SQNR; fast accumulation and the
-   kernels' summation order make them differ slightly), with the ``_scaled_mm`` calls counted.
-   The fp8 speed table is ``python benchmarks/bench_fp8.py --device cuda``.
+5. fp8 (#14, #24): for each recipe (tensorwise, rowwise, rowwise_gw_hp, 128-blocks, MXFP8,
+   NVFP4), whether the device takes the hardware path (``torch._scaled_mm``, with block scales
+   for the block recipes: 128-blocks on compute capability 9.x, MXFP8 and NVFP4 from 10.0), the
+   path ``Fp8Stats`` reports, and the Linear's output and gradients against the emulated path
+   (SQNR; fast accumulation and the kernels' summation order make them differ slightly), with
+   the ``_scaled_mm`` calls counted. The speed table is
+   ``python benchmarks/bench_fp8.py --device cuda``.
 
 Run: ``python benchmarks/gpu_check.py [--out report.md] [--repeat 10]``. Without CUDA it says so
 and exits with status 0. ``--device cpu`` runs parts 1 and 2 on the CPU (a dry run of the
@@ -214,7 +217,7 @@ def host_path_check(device: torch.device) -> tuple[str, bool]:
 def fp8_check(
     device: torch.device, m: int = 256, k: int = 1024, n: int = 1024
 ) -> tuple[list[str], bool]:
-    """fp8 (#14): the ``torch._scaled_mm`` path against emulation, per recipe, on ``device``."""
+    """fp8 (#14, #24): the hardware path against emulation, per recipe, on ``device``."""
     from torch.utils._python_dispatch import TorchDispatchMode
 
     from mixprec._src.fp8.matmul import Plan, fp8_linear, use_scaled_mm
@@ -224,15 +227,13 @@ def fp8_check(
         calls = 0
 
         def __torch_dispatch__(self, func: Any, types: Any, args: Any = (), kw: Any = None) -> Any:
-            Count.calls += func is torch.ops.aten._scaled_mm.default
+            Count.calls += func.overloadpacket.__name__.startswith("_scaled_mm")
             return func(*args, **(kw or {}))
 
-    fast = use_scaled_mm(device)
     rows = [
-        f"torch._scaled_mm used on {device}: {fast}",
-        "",
-        "| recipe | _scaled_mm calls | output dB | grad input dB | grad weight dB |",
-        "|---|---:|---:|---:|---:|",
+        "| recipe | hardware | path (Fp8Stats) | _scaled_mm calls | output dB | grad input dB "
+        "| grad weight dB |",
+        "|---|---|---|---:|---:|---:|---:|",
     ]
     ok = True
     gen = torch.Generator(device="cpu").manual_seed(0)
@@ -240,24 +241,29 @@ def fp8_check(
     w = (torch.randn(n, k, generator=gen) / k**0.5).to(device)
     g = torch.randn(m, n, generator=gen).to(device)
     for name, recipe in RECIPES.items():
+        fast = use_scaled_mm(device, recipe)
         results = []
         for scaled in (fast, False):
             xi, wi = x.clone().requires_grad_(), w.clone().requires_grad_()
             Count.calls = 0
+            torch.manual_seed(0)  # the same stochastic rounding draws on both paths
+            stats = mixprec.Fp8Stats()
+            slot = stats.slot(name, device, name)
             with Count():
-                out = fp8_linear(xi, wi, None, Plan(recipe, torch.bfloat16, scaled))
+                out = fp8_linear(xi, wi, None, Plan(recipe, torch.bfloat16, scaled, slot))
                 out.backward(g.to(out.dtype))
-            results.append(([out, xi.grad, wi.grad], Count.calls))
-        (got, calls), (ref, _) = results
+            results.append(([out, xi.grad, wi.grad], Count.calls, stats.read()[name].path))
+        (got, calls, path), (ref, _, _) = results
         db = [
             float(20 * torch.log10(r.detach().double().norm() / (r - a).detach().double().norm()))
             for a, r in zip(got, ref, strict=True)
         ]
         want_calls = (2 if recipe.dy_gw is None else 3) if fast else 0
-        good = calls == want_calls and all(d > 30 for d in db)
+        want_path = "hardware" if fast else "emulated"
+        good = calls == want_calls and path == want_path and all(d > 30 for d in db)
         ok &= good
         rows.append(
-            f"| {name} | {calls} | "
+            f"| {name} | {fast} | {path} | {calls} | "
             + " | ".join(f"{d:.1f}" for d in db)
             + " |"
             + ("" if good else " FAILED")
@@ -302,7 +308,7 @@ def main(argv: list[str] | None = None) -> int:
         more += section
         fp8_rows, fp8_ok = fp8_check(device)  # fp8 (#14)
         ok &= fp8_ok
-        section = ["## 5. fp8 matmuls: torch._scaled_mm against emulation", "", *fp8_rows, ""]
+        section = ["## 5. Low-precision matmuls: hardware against emulation", "", *fp8_rows, ""]
         print("\n".join(section), flush=True)
         more += section
     all_ok = ok and path_ok and folded_ok and syncs_ok

@@ -19,7 +19,8 @@ from torch import nn
 from torch.utils._python_dispatch import TorchDispatchMode
 
 from mixprec._src.fp8 import matmul
-from mixprec._src.fp8.casts import cast_stats, dequantize, quantize, scale_from_amax
+from mixprec._src.fp8.casts import cast_stats, dequantize, quantize
+from mixprec._src.fp8.formats import scale_from_amax
 from mixprec._src.fp8.hook import Fp8LinearMode, can_serve, enter_module, exit_module
 from mixprec._src.fp8.matmul import Plan, fp8_linear
 from mixprec._src.fp8.recipes import E4M3, E5M2, RECIPES, Cast, get_recipe
@@ -33,6 +34,7 @@ TORCHAO_NAMES = {
     "rowwise": "rowwise",
     "rowwise_gw_hp": "rowwise_with_gw_hp",
 }
+FLOAT8 = list(TORCHAO_NAMES)  # the recipes torchao.float8 has (the block recipes: test_fp8_blocks)
 
 
 def torchao_linear(lin: nn.Linear, recipe: str) -> nn.Module:
@@ -49,7 +51,7 @@ def run(fn: Any, x: torch.Tensor, g: torch.Tensor, params: list[torch.Tensor]) -
 
 
 @pytest.mark.parametrize("hp", [torch.float32, torch.bfloat16, torch.float16])
-@pytest.mark.parametrize("recipe", list(RECIPES))
+@pytest.mark.parametrize("recipe", FLOAT8)
 def test_bitwise_equal_to_torchao_emulated(recipe: str, hp: torch.dtype) -> None:
     torch.manual_seed(0)
     lin = nn.Linear(64, 48)
@@ -77,7 +79,8 @@ def test_recipes_are_torchaos() -> None:
         "dy_gw": "grad_output_for_grad_weight",
         "x_gw": "input_for_grad_weight",
     }
-    for name, recipe in RECIPES.items():
+    for name in FLOAT8:
+        recipe = RECIPES[name]
         config = float8.Float8LinearConfig.from_recipe_name(TORCHAO_NAMES[name])
         for ours, theirs in fields.items():
             cc = getattr(config, f"cast_config_{theirs}")
@@ -88,8 +91,8 @@ def test_recipes_are_torchaos() -> None:
             assert cast is not None, (name, ours)
             assert cast.dtype == cc.target_dtype, (name, ours)
             rowwise = cc.scaling_granularity is float8.ScalingGranularity.AXISWISE
-            assert cast.rowwise == rowwise, (name, ours)
-            assert cast.pow2 == config.round_scales_to_power_of_2, (name, ours)
+            assert cast.block == ((1, 0) if rowwise else (0, 0)), (name, ours)
+            assert (cast.scale == "pow2") == config.round_scales_to_power_of_2, (name, ours)
 
 
 def test_recipe_names() -> None:
@@ -105,10 +108,10 @@ def test_scale_edge_cases() -> None:
     assert torch.isfinite(zero) and zero == 448 / 1e-12  # all-zero tensor: finite scale
     assert scale_from_amax(torch.tensor(float("inf")), e4) == 0
     assert torch.isnan(scale_from_amax(torch.tensor(float("nan")), e4))
-    pow2 = scale_from_amax(torch.tensor(3.0), Cast(E4M3, pow2=True))
+    pow2 = scale_from_amax(torch.tensor(3.0), Cast(E4M3, scale="pow2"))
     assert pow2 == 128  # 448/3 = 149.3, rounded down to a power of two
-    bits, scale, _ = quantize(torch.zeros(3), e4, 0)
-    assert torch.equal(dequantize(bits, scale), torch.zeros(3))
+    q, _ = quantize(torch.zeros(1, 3), e4, 1)
+    assert torch.equal(dequantize(q, e4), torch.zeros(1, 3))
 
 
 # ---------------------------------------------------------------- never silent
@@ -120,26 +123,29 @@ def test_a_plain_cast_would_hide_an_overflow() -> None:
 @pytest.mark.parametrize("bad", [float("inf"), float("nan")])
 @pytest.mark.parametrize("recipe", list(RECIPES))
 def test_nonfinite_input_stays_visible(recipe: str, bad: float) -> None:
+    """Every recipe, blocks included (128 features: every block recipe's multiple)."""
     torch.manual_seed(0)
-    lin = nn.Linear(32, 16)
-    x = torch.randn(6, 32, requires_grad=True)
+    lin = nn.Linear(128, 128)
+    x = torch.randn(6, 128, requires_grad=True)
     with torch.no_grad():
         x[2, 5] = bad
     plan = Plan(get_recipe(recipe), torch.float32, scaled_mm=False)
     y = fp8_linear(x, lin.weight, lin.bias, plan)
     bad_rows = (~torch.isfinite(y)).any(dim=1)
-    if get_recipe(recipe).x.rowwise:  # type: ignore[union-attr]
+    cast = get_recipe(recipe).x
+    assert cast is not None
+    if cast.block[0] == 1 and cast.scale != "e4m3_fp32":  # scales per row or row block
         assert bad_rows.tolist() == [i == 2 for i in range(6)]  # only that row
     else:
-        assert bad_rows.all()  # one scale for the tensor: everything
+        assert bad_rows.all()  # a scale for the tensor (NVFP4's too): everything
     y.sum().backward()
     assert not torch.isfinite(lin.weight.grad).all()  # type: ignore[arg-type]
 
 
 @pytest.mark.parametrize("recipe", list(RECIPES))
 def test_nonfinite_gradient_stays_visible(recipe: str) -> None:
-    lin = nn.Linear(32, 16)
-    x = torch.randn(6, 32, requires_grad=True)
+    lin = nn.Linear(128, 128)
+    x = torch.randn(6, 128, requires_grad=True)
     y = fp8_linear(x, lin.weight, lin.bias, Plan(get_recipe(recipe), torch.float16, False))
     g = torch.ones_like(y)
     g[0, 0] = float("inf")  # e.g. an fp16 loss overflow upstream
@@ -150,13 +156,13 @@ def test_nonfinite_gradient_stays_visible(recipe: str) -> None:
 
 # ---------------------------------------------------------------- stats
 def test_cast_stats_counts() -> None:
-    x = torch.tensor([1e-12, 1.0, 0.0, -1.0, 0.5])
+    x = torch.tensor([[1e-12, 1.0, 0.0, -1.0, 0.5]])
     cast = Cast(E5M2)
-    bits, scale, a = quantize(x, cast, 0)
-    row = cast_stats(x, bits, scale, a, cast, True).tolist()
-    # amax 1, scale 57344, two elements at the max, 1e-12 flushed (below e5m2's subnormals),
-    # nothing non-finite, 5 elements
-    assert row == [1.0, 57344.0, 2.0, 1.0, 0.0, 5.0]
+    q, src = quantize(x, cast, 1)
+    row = cast_stats(src, q, cast, True, 5).tolist()
+    # amax 1, scale 57344 (smallest and largest: one scale), two elements at the max, 1e-12
+    # flushed (below e5m2's subnormals), nothing non-finite, 5 elements, 1 block, not clamped
+    assert row == [1.0, 57344.0, 57344.0, 2.0, 1.0, 0.0, 5.0, 1.0, 0.0, 0.0]
 
 
 def _three_layer() -> tuple[nn.Module, list[Any]]:
@@ -209,7 +215,7 @@ def test_stats_per_module_without_host_sync() -> None:
     assert read["2"].grad_output.elements == 2 * 4 * 8
     assert 0 <= first.weight.saturated <= 1 and first.weight.flushed == 0
     assert "grad_output" in stats.summary()
-    assert stats.tensor("0").shape == (3, 6)
+    assert stats.tensor("0").shape == (3, 10)
     stats.reset()
     assert stats.read() == {}
 
@@ -225,7 +231,7 @@ def test_cpu_never_takes_scaled_mm() -> None:
     assert counted.ops["mm"] == 6  # the emulated matmuls ran (3 per Linear)
 
 
-@pytest.mark.parametrize("recipe", list(RECIPES))
+@pytest.mark.parametrize("recipe", FLOAT8)
 def test_scaled_mm_path_matches_emulation(recipe: str) -> None:
     """The path CUDA users take, exercised on the CPU with tiny aligned shapes."""
     torch.manual_seed(0)
@@ -265,7 +271,8 @@ def test_mode_serves_only_its_weight() -> None:
 
 
 def test_gpu_check_fp8_section_runs_on_cpu(monkeypatch: pytest.MonkeyPatch) -> None:
-    """The GPU script's fp8 check, its _scaled_mm route forced on (tiny aligned shapes)."""
+    """The GPU script's fp8 check, its _scaled_mm route forced on for the recipes torch's CPU
+    _scaled_mm runs (tiny aligned shapes; the block kernels' layouts: test_fp8_blocks)."""
     import importlib.util
     from pathlib import Path
 
@@ -274,12 +281,17 @@ def test_gpu_check_fp8_section_runs_on_cpu(monkeypatch: pytest.MonkeyPatch) -> N
     assert spec is not None and spec.loader is not None
     gpu_check = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(gpu_check)
-    rows, ok = gpu_check.fp8_check(torch.device("cpu"), 16, 32, 48)
-    assert ok and "| tensorwise | 0 |" in "\n".join(rows)  # the CPU: emulation only
-    monkeypatch.setattr(matmul, "use_scaled_mm", lambda device: True)
-    rows, ok = gpu_check.fp8_check(torch.device("cpu"), 16, 32, 48)
+    rows, ok = gpu_check.fp8_check(torch.device("cpu"), 128, 128, 256)
+    table = "\n".join(rows)
+    assert ok and "| tensorwise | False | emulated | 0 |" in table  # the CPU: emulation only
+    assert "| nvfp4 | False | emulated | 0 |" in table
+    monkeypatch.setattr(matmul, "use_scaled_mm", lambda device, recipe=None: not recipe.blocked)
+    rows, ok = gpu_check.fp8_check(torch.device("cpu"), 128, 128, 256)
+    table = "\n".join(rows)
     assert ok, rows
-    assert "| rowwise | 3 |" in "\n".join(rows) and "| rowwise_gw_hp | 2 |" in "\n".join(rows)
+    assert "| rowwise | True | hardware | 3 |" in table
+    assert "| rowwise_gw_hp | True | hardware | 2 |" in table
+    assert "| mxfp8 | False | emulated | 0 |" in table
 
 
 def test_bench_fp8_prints_its_tables(capsys: pytest.CaptureFixture[str]) -> None:
@@ -292,9 +304,11 @@ def test_bench_fp8_prints_its_tables(capsys: pytest.CaptureFixture[str]) -> None
     assert spec is not None and spec.loader is not None
     bench = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(bench)
-    args = ["--width", "32", "--batch", "16", "--rounds", "1", "--no-compile"]
+    args = ["--width", "128", "--batch", "32", "--rounds", "1", "--no-compile"]
     assert bench.main(args) == 0
     out = capsys.readouterr().out
     for recipe in RECIPES:
-        assert f"| mixprec {recipe}" in out and f"| torchao {recipe}" in out
-    assert out.count("| eager ") == 2 + 2 * len(RECIPES)
+        assert f"| mixprec {recipe}" in out
+    for recipe in bench.TORCHAO_NAME:
+        assert f"| torchao {recipe}" in out
+    assert out.count("| eager ") == 2 + len(RECIPES) + len(bench.TORCHAO_NAME)

@@ -26,7 +26,6 @@ from torch import nn
 from torch.utils.checkpoint import checkpoint
 
 import mixprec
-from mixprec._src.fp8.recipes import RECIPES
 from mixprec.errors import ConfigError
 
 float8 = pytest.importorskip("torchao.float8", reason="torchao is a test-only dependency")
@@ -76,7 +75,7 @@ def equal(a: list[torch.Tensor], b: list[torch.Tensor]) -> bool:
     return all(torch.equal(s, t) for s, t in zip(a, b, strict=True))
 
 
-@pytest.mark.parametrize("recipe", list(RECIPES))
+@pytest.mark.parametrize("recipe", list(TORCHAO_NAMES))
 def test_rule_is_bitwise_torchaos_recipe(recipe: str) -> None:
     model = mlp()
     x = torch.randn(8, 32) * 2
@@ -318,7 +317,9 @@ def test_one_module_from_its_own_hooks() -> None:
     assert torch.equal(model[:2](x), model[:2](x).float())  # the rest: plain fp32
 
 
-@pytest.mark.parametrize("name", ["casts", "hook", "matmul", "recipes", "stats"])
+@pytest.mark.parametrize(
+    "name", ["casts", "formats", "hook", "kernels", "matmul", "recipes", "stats"]
+)
 def test_docstring_examples_run(name: str) -> None:
     module = importlib.import_module(f"mixprec._src.fp8.{name}")
     result = doctest.testmod(module, optionflags=doctest.ELLIPSIS)

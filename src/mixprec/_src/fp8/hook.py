@@ -118,13 +118,59 @@ def enter_modules(
     for name, module in targets:
         weight = getattr(module, "weight", None)
         if isinstance(weight, torch.Tensor):
+            check_shape(name, weight, recipe)
             slot = None if stats is None else stats.slot(name, weight.device, recipe.name)
-            served.append((weight, Plan(recipe, hp, use_scaled_mm(weight.device), slot)))
+            fast = use_scaled_mm(weight.device, recipe)
+            served.append((weight, Plan(recipe, hp, fast, slot, name)))
     if not served:
         return None
     mode = Fp8LinearMode(tuple(served))
     mode.__enter__()
     return mode
+
+
+def fits(weight: torch.Tensor, recipe: Recipe) -> bool:
+    """Whether ``recipe``'s blocks tile a Linear weight's features (what :func:`check_shape`
+    refuses otherwise).
+
+    Example:
+        >>> from mixprec._src.fp8.recipes import get_recipe
+        >>> mx = get_recipe("mxfp8")
+        >>> fits(torch.ones(64, 96), mx), fits(torch.ones(8, 96), mx)
+        (True, False)
+
+    Host sync: none.
+    """
+    _, k, n = recipe.multiples()
+    return weight.dim() == 2 and weight.shape[1] % k == 0 and weight.shape[0] % n == 0
+
+
+def check_shape(name: str, weight: torch.Tensor, recipe: Recipe) -> None:
+    """Refuse a Linear whose features the recipe's blocks do not tile (the tokens are padded).
+
+    Example:
+        >>> from mixprec._src.fp8.recipes import get_recipe
+        >>> check_shape("fc", torch.ones(64, 96), get_recipe("mxfp8"))
+        >>> check_shape("fc", torch.ones(64, 100), get_recipe("mxfp8"))
+        Traceback (most recent call last):
+        ...
+        mixprec.errors.ConfigError: Linear 'fc' (in_features=100, out_features=64) cannot run ...
+
+    Raises:
+        ConfigError: names the module, its features and what they must be multiples of.
+
+    Host sync: none.
+    """
+    if fits(weight, recipe):
+        return
+    _, k, n = recipe.multiples()
+    shape = tuple(weight.shape)
+    raise ConfigError(
+        f"Linear {name!r} (in_features={shape[-1]}, out_features={shape[0]}) cannot run "
+        f"recipe {recipe.name!r}: its blocks need in_features a multiple of {k} and "
+        f"out_features a multiple of {n}. Keep this module in bf16 (a rule such as "
+        f"'{name or '<module>'}=bf16') or pad its features."
+    )
 
 
 _STATS_COMPILE_MSG = (

@@ -1,13 +1,19 @@
-"""The fp8 Linear: output, grad_input and grad_weight matmuls on dynamically scaled fp8 operands.
+"""The low-precision Linear: output, grad_input and grad_weight matmuls on cast operands.
 
-Two matmul paths compute ``a @ b`` from fp8 bits and scales:
+One mechanism runs every recipe: each operand is cast per its :class:`~.recipes.Cast` along the
+contraction dimension of the matmul it enters (``casts.quantize``), then multiplied on one of two
+paths:
 
-* emulated (every device): dequantize to fp32 (``bits.float() / scale``), an ordinary fp32
-  matmul, the result in the high-precision dtype. It is a numerics simulator: the values an fp8
-  tensor core with fp32 accumulation produces, at the cost of ordinary fp32 matmuls.
-* ``torch._scaled_mm``: where the device table says it is a fast kernel (CUDA) and the device
-  supports fp8 (compute capability 8.9 or newer) and the shapes are multiples of 16. Never on the
-  CPU, where it runs oneDNN's reference kernel, thousands of times slower.
+* emulated (every device): the cast values dequantized to fp32, an ordinary fp32 matmul, the
+  result in the high-precision dtype: the values a block-scaled tensor core with fp32
+  accumulation produces, at the cost of ordinary fp32 matmuls (a numerics simulator).
+* hardware (:mod:`.kernels`): ``torch._scaled_mm`` where the device table says it is a fast
+  kernel and the device's compute capability is in the recipe's range (tensorwise and rowwise
+  from 8.9, 128-blocks on 9.x, MXFP8 and NVFP4 from 10.0), for shapes that are multiples of 16.
+  Never on the CPU, where it runs oneDNN's reference kernel, thousands of times slower.
+
+The token dimension is zero-padded to the blocks of the grad_weight matmul (which contracts
+over it); the feature dimensions must be multiples of the recipe's blocks (checked by the hook).
 """
 
 from __future__ import annotations
@@ -16,30 +22,34 @@ from dataclasses import dataclass
 from typing import Any
 
 import torch
+import torch.nn.functional as F
 
 from mixprec._src.devices import caps
-from mixprec._src.fp8.casts import cast_stats, dequantize, quantize
+from mixprec._src.fp8 import kernels
+from mixprec._src.fp8.casts import Quantized, cast_stats, dequantize, quantize
+from mixprec._src.fp8.kernels import Side
 from mixprec._src.fp8.recipes import Cast, Recipe
 from mixprec._src.fp8.stats import Slot
+from mixprec.errors import ConfigError
 
 _INPUT, _WEIGHT, _GRAD_OUTPUT = 0, 1, 2
-_FAST_OK: dict[str, bool] = {}
+_CAPABILITY: dict[str, tuple[int, int] | None] = {}
 
 
-def _device_has_fp8(device: torch.device) -> bool:
-    """Runtime check behind the table's ``fp8_scaled_mm`` column (cached per device)."""
+def _capability(device: torch.device) -> tuple[int, int] | None:
+    """The CUDA compute capability of an NVIDIA device (cached), None elsewhere."""
     key = str(device)
-    found = _FAST_OK.get(key)
-    if found is None:
-        found = False
+    if key not in _CAPABILITY:
+        found = None
         if device.type == "cuda" and torch.version.hip is None and torch.cuda.is_available():
-            found = torch.cuda.get_device_capability(device) >= (8, 9)
-        _FAST_OK[key] = found
-    return found
+            found = torch.cuda.get_device_capability(device)
+        _CAPABILITY[key] = found
+    return _CAPABILITY[key]
 
 
-def use_scaled_mm(device: torch.device) -> bool:
-    """Whether fp8 matmuls on ``device`` go through ``torch._scaled_mm``.
+def use_scaled_mm(device: torch.device, recipe: Recipe | None = None) -> bool:
+    """Whether ``recipe``'s matmuls on ``device`` take the hardware path (``torch._scaled_mm``);
+    without a recipe, whether fp8 matmuls do at all.
 
     Example:
         >>> use_scaled_mm(torch.device("cpu"))
@@ -47,62 +57,68 @@ def use_scaled_mm(device: torch.device) -> bool:
 
     Host sync: none.
     """
-    return caps(device).fp8_scaled_mm and _device_has_fp8(device)
+    row = caps(device)
+    if not row.fp8_scaled_mm or (recipe is not None and recipe.blocked and not row.block_scaled_mm):
+        return False
+    cap = _capability(device)
+    low, high = recipe.capability if recipe is not None else ((8, 9), (99, 0))
+
+    return cap is not None and low <= cap < high
 
 
 @dataclass(frozen=True)
 class Plan:
-    """What one fp8 Linear call does: recipe, high-precision dtype, matmul path, stats slot."""
+    """What one low-precision Linear call does: recipe, high-precision dtype, matmul path,
+    stats slot, and the module's name (for messages)."""
 
     recipe: Recipe
     hp: torch.dtype
     scaled_mm: bool
     slot: Slot | None = None
+    name: str = ""
 
 
-def _scaled_mm(
-    qa: torch.Tensor,
-    sa: torch.Tensor,
-    qb: torch.Tensor,
-    sb: torch.Tensor,
-    out: torch.dtype,
-    fast_accum: bool,
-) -> torch.Tensor:
-    """``torch._scaled_mm`` on (M, K) row-major ``qa`` and (K, N) column-major ``qb``."""
-    qa = qa.contiguous()
-    qb = qb.t().contiguous().t()
-    ia, ib = sa.reciprocal(), sb.reciprocal()
-    rowwise = ia.dim() == 2 or ib.dim() == 2
-    if rowwise:  # the rowwise kernel wants both scales as vectors
-        ia = ia.reshape(-1, 1).expand(qa.shape[0], 1).contiguous()
-        ib = ib.reshape(1, -1).expand(1, qb.shape[1]).contiguous()
-    post = None
-    if rowwise and not fast_accum:  # tensorwise kernel, scales applied after (as torchao does)
-        post, ia, ib = ia * ib, ia.new_ones(()), ia.new_ones(())
-    kernel_out = torch.bfloat16 if rowwise else out  # rowwise kernels write bf16 only
-    res = torch._scaled_mm(
-        qa, qb, scale_a=ia, scale_b=ib, out_dtype=kernel_out, use_fast_accum=fast_accum
-    )
-    if post is not None:
-        res = res * post
-    return res.to(out)
-
-
-def _aligned(*sizes: int) -> bool:
-    return all(s % 16 == 0 for s in sizes)
-
-
-def _mm(
+def _cast(
     plan: Plan,
-    qa: torch.Tensor,
-    sa: torch.Tensor,
-    qb: torch.Tensor,
-    sb: torch.Tensor,
-    fast_accum: bool = False,
-) -> torch.Tensor:
-    if plan.scaled_mm and _aligned(qa.shape[0], qa.shape[1], qb.shape[1]):
-        return _scaled_mm(qa, sa, qb, sb, plan.hp, fast_accum)
-    return torch.mm(dequantize(qa, sa), dequantize(qb, sb)).to(plan.hp)
+    x: torch.Tensor,
+    cast: Cast,
+    dim: int,
+    operand: int,
+    first: bool,
+    record: bool,
+    elements: int | None = None,
+) -> Quantized:
+    """Quantize; record stats when a slot is bound and ``record`` (not a recomputation)."""
+    q, src = quantize(x, cast, dim)
+    if record and plan.slot is not None:
+        real = x.numel() if elements is None else elements
+        plan.slot.add(operand, cast_stats(src, q, cast, first, real))
+    return q
+
+
+def _values(side: Side) -> torch.Tensor:
+    out = dequantize(side.q, side.cast)
+    return out.t() if side.t else out
+
+
+def _hardware_ok(plan: Plan, a: Side, b: Side) -> bool:
+    if not plan.scaled_mm:
+        return False
+    m, k = a.q.codes.shape[::-1] if a.t else a.q.codes.shape
+    n = b.q.codes.shape[0] if b.t else b.q.codes.shape[1]
+    return m % 16 == 0 and k % 16 == 0 and n % 16 == 0
+
+
+def _mm(plan: Plan, a: Side, b: Side, fast_accum: bool = False, count: bool = True) -> torch.Tensor:
+    """``a @ b`` on the hardware path where it applies, else emulated; counted per path."""
+    hardware = _hardware_ok(plan, a, b)
+    if count and plan.slot is not None:
+        plan.slot.count_path(hardware)
+    if not hardware:
+        return torch.mm(_values(a), _values(b)).to(plan.hp)
+    if a.cast.block[1] > 0:
+        return kernels.block_mm(a, b, plan.hp)
+    return kernels.tensor_row_mm(a, b, plan.hp, fast_accum)
 
 
 def _hp_mm(plan: Plan, a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
@@ -114,38 +130,45 @@ def _hp_mm(plan: Plan, a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
     return a.float().mm(b.float()).to(plan.hp)
 
 
-def _cast(
-    plan: Plan, x: torch.Tensor, cast: Cast, dim: int, operand: int, first: bool, record: bool
-) -> tuple[torch.Tensor, torch.Tensor]:
-    """Quantize; record stats when a slot is bound and ``record`` (not a recomputation)."""
-    bits, scale, a = quantize(x, cast, dim)
-    if record and plan.slot is not None:
-        plan.slot.add(operand, cast_stats(x, bits, scale, a, cast, first))
-    return bits, scale
+def _pad_rows(t: torch.Tensor, multiple: int) -> torch.Tensor:
+    extra = -t.shape[0] % multiple
+    return F.pad(t, (0, 0, 0, extra)) if extra else t
 
 
-def _reusable(first: Cast | None, second: Cast | None) -> bool:
-    """A tensorwise cast is the same for both matmuls an operand enters: cast once."""
-    return first is not None and first == second and not first.rowwise
+def _save(q: Quantized | None, hp: torch.Tensor) -> tuple[Any, ...]:
+    """What to keep of an operand: its cast (reused by the second matmul) or itself."""
+    if q is None:
+        return hp, None, None, None
+    return q.codes, q.scale, q.tensor_scale, q.block
+
+
+def _load(saved: tuple[Any, ...]) -> tuple[torch.Tensor | None, Quantized | None]:
+    codes, scale, tensor_scale, block = saved
+    if block is None:
+        return codes, None
+    return None, Quantized(codes, scale, tensor_scale, scale, block)
 
 
 class Fp8Linear(torch.autograd.Function):
-    """``x2d @ weight.T`` on fp8 operands, and its gradients on fp8 operands, per the plan."""
+    """``x2d @ weight.T`` on cast operands, and its gradients on cast operands, per the plan."""
 
     @staticmethod
     def forward(ctx: Any, x2d: torch.Tensor, weight: torch.Tensor, plan: Plan) -> torch.Tensor:
         r = plan.recipe
+        assert r.x is not None and r.w is not None  # every recipe runs the output cast
         # A forward run inside backward is a checkpoint recomputation: its casts were recorded.
         record = plan.slot is not None and torch._C._current_graph_task_id() == -1
-        assert r.x is not None and r.w is not None  # every recipe runs the output in fp8
-        qx, sx = _cast(plan, x2d, r.x, 1, _INPUT, True, record)
-        qw, sw = _cast(plan, weight, r.w, 1, _WEIGHT, True, record)
-        out = _mm(plan, qx, sx, qw.t(), sw.t(), fast_accum=True)
+        qx = _cast(plan, x2d, r.x, 1, _INPUT, True, record)
+        qw = _cast(plan, weight, r.w, 1, _WEIGHT, True, record)
+        out = _mm(plan, Side(qx, r.x), Side(qw, r.w, True), fast_accum=True, count=record)
         need_x, need_w = ctx.needs_input_grad[0], ctx.needs_input_grad[1]
-        keep_x = (qx, sx) if _reusable(r.x, r.x_gw) else (x2d, None)
-        keep_w = (qw, sw) if _reusable(r.w, r.w_gi) else (weight, None)
+        keep_x = _save(qx if r.x == r.x_gw and r.x.square else None, x2d)
+        keep_w = _save(qw if r.w == r.w_gi and r.w.square else None, weight)
+        ctx.x_meta, ctx.w_meta = keep_x[3], keep_w[3]
         ctx.save_for_backward(
-            *(keep_x if need_w else (None, None)), *(keep_w if need_x else (None, None))
+            *(keep_x[:3] if need_w else (None,) * 3),
+            *(keep_w[:3] if need_x else (None,) * 3),
+            weight,  # a reference only: lets a second differentiation find the weight
         )
         ctx.plan, ctx.wdtype = plan, weight.dtype
         return out
@@ -154,46 +177,89 @@ class Fp8Linear(torch.autograd.Function):
     def backward(ctx: Any, dy: torch.Tensor) -> tuple[torch.Tensor | None, ...]:
         # Native autocast off here too: a compiled backward is traced under the forward's
         # autocast state, which would turn the fp32 matmuls of dequantized values into bf16 ones.
-        with torch.autocast(dy.device.type, enabled=False):
-            return Fp8Linear._backward(ctx, dy)
+        saved = ctx.saved_tensors
+        twice = torch.is_grad_enabled() and not torch.compiler.is_compiling()
+        with torch.autocast(dy.device.type, enabled=False), torch.no_grad():
+            x = _load((*saved[0:3], ctx.x_meta))
+            w = _load((*saved[3:6], ctx.w_meta))
+            dx, dw = _backward(ctx.plan, ctx.needs_input_grad, dy, x, w, ctx.wdtype)
+        if twice:  # create_graph=True: refuse a second differentiation instead of a wrong one
+            weight = saved[6]
+            dx = None if dx is None else _RefuseTwice.apply(dx, ctx.plan, dy, weight)
+            dw = None if dw is None else _RefuseTwice.apply(dw, ctx.plan, dy, weight)
+        return dx, dw, None
+
+
+def _backward(
+    plan: Plan,
+    needs: tuple[bool, ...],
+    dy: torch.Tensor,
+    x: tuple[torch.Tensor | None, Quantized | None],
+    w: tuple[torch.Tensor | None, Quantized | None],
+    wdtype: torch.dtype,
+) -> tuple[torch.Tensor | None, torch.Tensor | None]:
+    r = plan.recipe
+    dy = dy.to(plan.hp)
+    dx = dw = None
+    qdy = None
+    if needs[0]:
+        assert r.dy_gi is not None and r.w_gi is not None
+        qdy = _cast(plan, dy, r.dy_gi, 1, _GRAD_OUTPUT, True, True)
+        w_hp, qw = w
+        if qw is None:
+            assert w_hp is not None
+            qw = _cast(plan, w_hp, r.w_gi, 0, _WEIGHT, False, True)
+        dx = _mm(plan, Side(qdy, r.dy_gi), Side(qw, r.w_gi))
+    if needs[1]:
+        x_hp, qx = x
+        if r.dy_gw is None or r.x_gw is None:  # grad_weight in high precision
+            assert x_hp is not None
+            dw = _hp_mm(plan, dy.t(), x_hp.to(plan.hp))
+        else:
+            rows = r.multiples()[0]  # the tokens, zero-padded to the blocks along them
+            if qdy is None or not (r.dy_gw == r.dy_gi and r.dy_gi.square):
+                padded = _pad_rows(dy, rows)
+                qdy = _cast(plan, padded, r.dy_gw, 0, _GRAD_OUTPUT, qdy is None, True, dy.numel())
+            if qx is None:
+                assert x_hp is not None
+                padded = _pad_rows(x_hp, rows)
+                qx = _cast(plan, padded, r.x_gw, 0, _INPUT, False, True, x_hp.numel())
+            dw = _mm(plan, Side(qdy, r.dy_gw, True), Side(qx, r.x_gw))
+        dw = dw.to(wdtype)
+    return dx, dw
+
+
+class _RefuseTwice(torch.autograd.Function):
+    """Passes a gradient through; differentiating it again raises (double backward)."""
 
     @staticmethod
-    def _backward(ctx: Any, dy: torch.Tensor) -> tuple[torch.Tensor | None, ...]:
+    def forward(ctx: Any, grad: torch.Tensor, plan: Plan, *inputs: torch.Tensor) -> torch.Tensor:
+        ctx.plan = plan
+        return grad.view_as(grad)
+
+    @staticmethod
+    def backward(ctx: Any, *grads: torch.Tensor) -> tuple[torch.Tensor | None, ...]:
         plan: Plan = ctx.plan
-        r = plan.recipe
-        x_or_q, sx, w_or_q, sw = ctx.saved_tensors
-        dy = dy.to(plan.hp)
-        dx = dw = None
-        reuse_dy = _reusable(r.dy_gi, r.dy_gw)
-        qdy = sdy = None
-        if ctx.needs_input_grad[0]:
-            assert r.dy_gi is not None and r.w_gi is not None
-            qdy, sdy = _cast(plan, dy, r.dy_gi, 1, _GRAD_OUTPUT, True, True)
-            if sw is None:
-                w_or_q, sw = _cast(plan, w_or_q, r.w_gi, 0, _WEIGHT, False, True)
-            dx = _mm(plan, qdy, sdy, w_or_q, sw)
-        if ctx.needs_input_grad[1]:
-            if r.dy_gw is None or r.x_gw is None:  # grad_weight in high precision
-                dw = _hp_mm(plan, dy.t(), x_or_q.to(plan.hp))
-            else:
-                if not (reuse_dy and qdy is not None):
-                    qdy, sdy = _cast(plan, dy, r.dy_gw, 0, _GRAD_OUTPUT, qdy is None, True)
-                if sx is None:
-                    x_or_q, sx = _cast(plan, x_or_q, r.x_gw, 0, _INPUT, False, True)
-                assert sdy is not None and qdy is not None
-                dw = _mm(plan, qdy.t(), sdy.t(), x_or_q, sx)
-            dw = dw.to(ctx.wdtype)
-        return dx, dw, None
+        where = f"Linear {plan.name!r}" if plan.name else "a Linear"
+        raise ConfigError(
+            f"double backward through {where} running recipe {plan.recipe.name!r}: its "
+            "gradients come from low-precision matmuls on cast operands, whose own derivatives "
+            "are not those of the Linear (a gradient penalty through them would be wrong). "
+            "Keep that module in bf16 or fp32 for the pass that differentiates twice (e.g. "
+            f"Policy('{plan.name or '<module>'}=bf16')), or compute the penalty outside the region."
+        )
 
 
 def fp8_linear(
     x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, plan: Plan
 ) -> torch.Tensor:
-    """``F.linear(x, weight, bias)`` with the three matmuls in fp8, computed around in ``plan.hp``.
+    """``F.linear(x, weight, bias)`` with the three matmuls cast per ``plan.recipe``, computed
+    around in ``plan.hp``.
 
-    ``x`` is cast to ``plan.hp`` (differentiably); ``weight`` is cast to fp8 from its own dtype
-    and gets its gradient in that dtype; the output and ``x``'s gradient are in ``plan.hp``.
-    Native autocast is off inside (the matmuls' dtypes are the recipe's).
+    ``x`` is cast to ``plan.hp`` (differentiably); ``weight`` is cast from its own dtype and gets
+    its gradient in that dtype; the output and ``x``'s gradient are in ``plan.hp``. Native
+    autocast is off inside (the matmuls' dtypes are the recipe's). An empty batch gives an empty
+    output and zero gradients, as ``nn.Linear`` does.
 
     Example:
         >>> from mixprec._src.fp8.recipes import get_recipe
@@ -207,7 +273,11 @@ def fp8_linear(
     with torch.autocast(x.device.type, enabled=False):
         lead = x.shape[:-1]
         x2d = x.to(plan.hp).reshape(-1, x.shape[-1])
-        out = Fp8Linear.apply(x2d, weight, plan).reshape(*lead, weight.shape[0])
+        if x2d.shape[0] == 0:  # nothing to scale: the plain matmul of no rows
+            out = x2d.mm(weight.to(plan.hp).t())
+        else:
+            out = Fp8Linear.apply(x2d, weight, plan)
+        out = out.reshape(*lead, weight.shape[0])
         if bias is not None:
             out = out + bias.to(plan.hp)
     return out

@@ -1,7 +1,9 @@
-"""``Fp8Stats``: per-module, per-operand fp8 cast statistics, device tensors until read."""
+"""``Fp8Stats``: per-module, per-operand cast statistics of every low-precision recipe (fp8,
+MXFP8, 128-blocks, NVFP4), device tensors until read."""
 
 from __future__ import annotations
 
+import math
 import threading
 from dataclasses import dataclass
 from types import TracebackType
@@ -9,22 +11,46 @@ from types import TracebackType
 import torch
 
 from mixprec._src.devices import caps
-from mixprec._src.fp8.casts import STAT_COLUMNS
+from mixprec.errors import ConfigError
 
 OPERANDS = ("input", "weight", "grad_output")
+# The columns of one cast's statistics row (``casts.cast_stats`` fills them): amax is
+# max-reduced, scale min-reduced, scale_max max-reduced, the counts summed.
+STAT_COLUMNS = (
+    "amax",
+    "scale",
+    "scale_max",
+    "saturated",
+    "flushed",
+    "nonfinite",
+    "elements",
+    "blocks",
+    "block_saturated",
+    "block_underflow",
+)
 
 
 @dataclass(frozen=True)
 class Fp8CastStats:
-    """What the fp8 casts of one operand of one module did, since the stats were last reset.
+    """What the casts of one operand of one module did, since the stats were last reset.
+
+    A scale here is what values are multiplied by before the cast (``fmt_max / amax`` for a
+    plain fp8 cast), whatever the recipe stores; one per tensor, row or block.
 
     Attributes:
         amax: the largest magnitude seen (NaN or inf once a non-finite value arrived).
         scale: the smallest scale used (0 or NaN after a non-finite amax).
         saturated: fraction of cast elements at the format's largest magnitude.
-        flushed: fraction of cast elements that were non-zero and became zero.
+        flushed: fraction of cast elements that were non-zero and became zero (in blocks with
+            a finite amax: a block holding an inf is counted in ``nonfinite``, not here).
         nonfinite: number of inf/NaN elements seen in the high-precision operand.
         elements: number of elements cast (an operand cast for two matmuls counts twice).
+        scale_max: the largest scale among blocks holding non-zero finite values.
+        blocks: number of scales used (1 per tensorwise cast).
+        block_saturated: fraction of blocks whose scale hit the top of its format (their
+            values saturate; E8M0 and NVFP4's E4M3 block scales have a range).
+        block_underflow: fraction of blocks holding non-zero values whose scale hit the
+            bottom of its format (their values are flushed or lose precision).
     """
 
     amax: float
@@ -33,29 +59,50 @@ class Fp8CastStats:
     flushed: float
     nonfinite: int
     elements: int
+    scale_max: float = 0.0
+    blocks: int = 0
+    block_saturated: float = 0.0
+    block_underflow: float = 0.0
+
+    @property
+    def spread(self) -> float:
+        """How many powers of two the scales span: ``log2(scale_max / scale)`` (0 with one
+        scale or none). Host sync: none."""
+        if not (self.scale > 0 and self.scale_max > 0):
+            return 0.0
+        return max(0.0, math.log2(self.scale_max / self.scale))
 
 
 @dataclass(frozen=True)
 class Fp8ModuleStats:
-    """The fp8 statistics of one module: its recipe and one :class:`Fp8CastStats` per operand.
+    """The statistics of one module under one recipe: one :class:`Fp8CastStats` per operand,
+    and the path its matmuls took.
 
-    ``grad_output`` stays empty (``elements == 0``) until a backward pass ran.
+    ``grad_output`` stays empty (``elements == 0``) until a backward pass ran. ``path`` is
+    ``"hardware"`` when every matmul recorded ran on ``torch._scaled_mm``, ``"emulated"`` when
+    none did (dequantized values and an fp32 matmul), ``"mixed"`` otherwise (shapes that are not
+    multiples of 16 fall back to the emulation).
     """
 
     recipe: str
     input: Fp8CastStats
     weight: Fp8CastStats
     grad_output: Fp8CastStats
+    path: str = "emulated"
 
 
 class Slot:
-    """The accumulating stats tensor of one module: rows :data:`OPERANDS`, columns
-    ``STAT_COLUMNS`` (amax max-reduced, scale min-reduced, counts summed). Host sync: none."""
+    """The accumulating stats of one module under one recipe: a tensor with rows
+    :data:`OPERANDS` and columns :data:`STAT_COLUMNS`, and the matmuls counted per path.
 
-    __slots__ = ("data", "recipe")
+    Host sync: none.
+    """
+
+    __slots__ = ("data", "emulated", "hardware", "recipe")
 
     def __init__(self, device: torch.device, recipe: str) -> None:
         self.recipe = recipe
+        self.hardware = self.emulated = 0
         self.data = torch.zeros(
             len(OPERANDS), len(STAT_COLUMNS), dtype=caps(device).wide_float, device=device
         )
@@ -68,10 +115,25 @@ class Slot:
             [
                 torch.maximum(cur[:1], row[:1]),
                 torch.minimum(cur[1:2], row[1:2]),
-                cur[2:] + row[2:],
+                torch.maximum(cur[2:3], row[2:3]),
+                cur[3:] + row[3:],
             ]
         )
         cur.copy_(merged)
+
+    def count_path(self, hardware: bool) -> None:
+        """Count one matmul on the hardware or the emulated path. Host sync: none."""
+        if hardware:
+            self.hardware += 1
+        else:
+            self.emulated += 1
+
+    @property
+    def path(self) -> str:
+        """``"hardware"``, ``"emulated"`` or ``"mixed"``. Host sync: none."""
+        if self.hardware and self.emulated:
+            return "mixed"
+        return "hardware" if self.hardware else "emulated"
 
 
 class _Active(threading.local):
@@ -96,13 +158,19 @@ def active_stats() -> Fp8Stats | None:
 
 
 class Fp8Stats:
-    """Records what every fp8 matmul does, per module and operand, while it is entered.
+    """Records what every low-precision matmul does, per module and operand, while entered.
 
-    Enter it around the forward pass (with a ``"fp8"`` policy rule active); the backward pass of
-    those forwards records into it too, wherever it runs. Values stay on the device (no host sync
-    per step) and accumulate until :meth:`reset`: amax is the maximum seen, scale the minimum,
-    saturated/flushed fractions and non-finite counts cover every cast. A checkpointed module's
-    recomputation in backward is not counted twice.
+    Enter it around the forward pass (with an fp8-family policy rule active: ``"fp8"``,
+    ``"fp8:blockwise"``, ``"mxfp8"``, ``"nvfp4"``...); the backward pass of those forwards records
+    into it too, wherever it runs. Values stay on the device (no host sync per step) and
+    accumulate until :meth:`reset`: amax is the maximum seen, scale the minimum (and scale_max
+    the maximum), saturated/flushed fractions, block-scale clamping and non-finite counts cover
+    every cast, and each module says which path its matmuls took (``path``: hardware or
+    emulated). A checkpointed module's recomputation in backward is not counted twice.
+
+    A module is recorded once per recipe: run under two recipes while one ``Fp8Stats`` is
+    entered, it has two records, keyed ``"name:recipe"`` (a module seen under one recipe only
+    is keyed by its name).
 
     Example:
         >>> import torch
@@ -113,14 +181,14 @@ class Fp8Stats:
         ...     loss = model(torch.randn(4, 16)).float().sum()
         >>> loss.backward()
         >>> s = stats.read()["0"]
-        >>> s.recipe, s.input.nonfinite, s.grad_output.elements > 0
-        ('tensorwise', 0, True)
+        >>> s.recipe, s.path, s.input.nonfinite, s.grad_output.elements > 0
+        ('tensorwise', 'emulated', 0, True)
 
     Host sync: none, except :meth:`read` and :meth:`summary`.
     """
 
     def __init__(self) -> None:
-        self._slots: dict[str, Slot] = {}
+        self._slots: dict[tuple[str, str], Slot] = {}
 
     def __enter__(self) -> Fp8Stats:
         ACTIVE.stack.append(self)
@@ -132,45 +200,66 @@ class Fp8Stats:
         exc: BaseException | None,
         tb: TracebackType | None,
     ) -> None:
+        if self not in ACTIVE.stack:
+            raise ConfigError(
+                "Fp8Stats left without being entered (or left twice): use it as "
+                "`with stats:` around the forward pass"
+            )
         ACTIVE.stack.remove(self)
 
     def slot(self, name: str, device: torch.device, recipe: str) -> Slot:
-        """The slot of module ``name`` (created on first use). Host sync: none."""
-        found = self._slots.get(name)
-        if found is None:
-            found = self._slots[name] = Slot(device, recipe)
-        return found
-
-    @property
-    def names(self) -> list[str]:
-        """Qualified names of the modules recorded so far. Host sync: none."""
-        return list(self._slots)
-
-    def tensor(self, name: str) -> torch.Tensor:
-        """Module ``name``'s raw stats on its device: rows ``("input", "weight",
-        "grad_output")``, columns ``("amax", "scale", "saturated", "flushed", "nonfinite",
-        "elements")`` with counts (not fractions): a copy, on the device.
+        """The slot of module ``name`` under ``recipe`` (created on first use).
 
         Host sync: none.
         """
-        return self._slots[name].data.clone()
+        found = self._slots.get((name, recipe))
+        if found is None:
+            found = self._slots[(name, recipe)] = Slot(device, recipe)
+        return found
+
+    def _keys(self) -> dict[str, Slot]:
+        """Each record under its key: the module's name, or ``"name:recipe"`` for a module
+        recorded under more than one recipe."""
+        per_name: dict[str, int] = {}
+        for name, _ in self._slots:
+            per_name[name] = per_name.get(name, 0) + 1
+        return {
+            (name if per_name[name] == 1 else f"{name}:{recipe}"): slot
+            for (name, recipe), slot in self._slots.items()
+        }
+
+    @property
+    def names(self) -> list[str]:
+        """The keys of the records so far: qualified module names (``"name:recipe"`` for a module
+        recorded under several recipes). Host sync: none."""
+        return list(self._keys())
+
+    def tensor(self, name: str) -> torch.Tensor:
+        """The raw stats of record ``name`` on its device: rows ``("input", "weight",
+        "grad_output")``, columns ``("amax", "scale", "scale_max", "saturated", "flushed",
+        "nonfinite", "elements", "blocks", "block_saturated", "block_underflow")`` with counts
+        (not fractions): a copy, on the device.
+
+        Host sync: none.
+        """
+        return self._keys()[name].data.clone()
 
     def reset(self) -> None:
         """Forget everything recorded. Host sync: none."""
         self._slots.clear()
 
     def read(self) -> dict[str, Fp8ModuleStats]:
-        """Every module's stats as Python numbers.
+        """Every record's stats as Python numbers, keyed as :attr:`names`.
 
         Host sync: one (all modules are copied to the host together).
         """
-        if not self._slots:
+        keyed = self._keys()
+        if not keyed:
             return {}
-        names = list(self._slots)
-        host = torch.stack([self._slots[n].data.cpu() for n in names]).tolist()
+        host = torch.stack([slot.data.cpu() for slot in keyed.values()]).tolist()
         return {
-            n: _module_stats(self._slots[n].recipe, rows)
-            for n, rows in zip(names, host, strict=True)
+            key: _module_stats(slot, rows)
+            for (key, slot), rows in zip(keyed.items(), host, strict=True)
         }
 
     def summary(self) -> str:
@@ -179,15 +268,18 @@ class Fp8Stats:
         Host sync: one (through :meth:`read`).
         """
         lines = [
-            f"{'module':<24} {'operand':<12} {'amax':>10} {'scale':>10} "
-            f"{'saturated':>10} {'flushed':>9} {'nonfinite':>9}"
+            f"{'module':<24} {'recipe':<13} {'path':<8} {'operand':<12} {'amax':>10} "
+            f"{'scale':>10} {'spread':>6} {'saturated':>10} {'flushed':>9} {'blk sat':>8} "
+            f"{'blk under':>9} {'nonfinite':>9}"
         ]
         for name, mod in self.read().items():
             for op in OPERANDS:
                 s: Fp8CastStats = getattr(mod, op)
                 lines.append(
-                    f"{name or '<model>':<24} {op:<12} {s.amax:>10.4g} {s.scale:>10.4g} "
-                    f"{s.saturated:>10.3%} {s.flushed:>9.3%} {s.nonfinite:>9d}"
+                    f"{name or '<model>':<24} {mod.recipe:<13} {mod.path:<8} {op:<12} "
+                    f"{s.amax:>10.4g} {s.scale:>10.4g} {s.spread:>6.1f} {s.saturated:>10.3%} "
+                    f"{s.flushed:>9.3%} {s.block_saturated:>8.2%} {s.block_underflow:>9.2%} "
+                    f"{s.nonfinite:>9d}"
                 )
         return "\n".join(lines)
 
@@ -195,10 +287,11 @@ class Fp8Stats:
         return f"Fp8Stats(modules={self.names})"
 
 
-def _module_stats(recipe: str, rows: list[list[float]]) -> Fp8ModuleStats:
+def _module_stats(slot: Slot, rows: list[list[float]]) -> Fp8ModuleStats:
     def one(row: list[float]) -> Fp8CastStats:
-        amax, scale, sat, flushed, nonfinite, n = row
+        amax, scale, scale_max, sat, flushed, nonfinite, n, blocks, high, low = row
         frac = (lambda c: c / n) if n else (lambda c: 0.0)
+        per_block = (lambda c: c / blocks) if blocks else (lambda c: 0.0)
         return Fp8CastStats(
             amax if n else 0.0,
             scale if n else 0.0,
@@ -206,6 +299,11 @@ def _module_stats(recipe: str, rows: list[list[float]]) -> Fp8ModuleStats:
             frac(flushed),
             int(nonfinite),
             int(n),
+            scale_max if n else 0.0,
+            int(blocks),
+            per_block(high),
+            per_block(low),
         )
 
-    return Fp8ModuleStats(recipe, *(one(r) for r in rows))
+    inp, weight, grad_output = (one(r) for r in rows)
+    return Fp8ModuleStats(slot.recipe, inp, weight, grad_output, slot.path)

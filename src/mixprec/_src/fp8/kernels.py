@@ -1,0 +1,204 @@
+"""The hardware matmuls: ``torch._scaled_mm`` on cast operands, in the layouts torch's CUDA
+kernels take. Only :func:`mixprec._src.fp8.matmul` calls them, where the device table and the
+device's compute capability say the kernel exists (never on the CPU, where ``_scaled_mm`` is
+oneDNN's reference kernel). ``benchmarks/gpu_check.py`` runs each against the emulation.
+
+An operand is a :class:`Side`: a cast tensor, its cast, and whether the matmul takes its
+transpose. Each kernel wants the first operand row-major and the second column-major (both
+contraction-contiguous); scales are laid out as each scaling type requires (swizzled 128x4 tiles
+for MX and NVFP4, outer-dimension-major fp32 for 1x128, K-major padded to 4 for 128x128).
+"""
+
+from __future__ import annotations
+
+from typing import NamedTuple
+
+import torch
+import torch.nn.functional as F
+
+from mixprec._src.fp8.casts import Quantized
+from mixprec._src.fp8.recipes import Cast
+
+_E2M1_CODES = (0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0)
+
+
+class Side(NamedTuple):
+    """One operand of a matmul: the matrix is ``q.codes`` (``.t()`` when ``t``)."""
+
+    q: Quantized
+    cast: Cast
+    t: bool = False
+
+    def flipped(self) -> Side:
+        """The same operand, transposed. Host sync: none."""
+        return Side(self.q, self.cast, not self.t)
+
+
+def oriented(side: Side) -> tuple[torch.Tensor, torch.Tensor, int]:
+    """The operand's codes, its scales as a 2D matrix (one per block), and the block's extent
+    along the rows, all in the operand's orientation.
+
+    Example:
+        >>> from mixprec._src.fp8.casts import quantize
+        >>> cast = Cast(torch.float8_e4m3fn, block=(1, 2), scale="amax_div")
+        >>> codes, scale, rows = oriented(Side(quantize(torch.ones(4, 6), cast, 1)[0], cast, True))
+        >>> tuple(codes.shape), tuple(scale.shape), rows
+        ((6, 4), (3, 4), 2)
+
+    Host sync: none.
+    """
+    q = side.q
+    rows, cols = q.codes.shape
+    br, bc = q.block
+    scale = q.scale.reshape(rows // br, cols // bc)
+    if side.t:
+        return q.codes.t(), scale.t(), bc
+    return q.codes, scale, br
+
+
+def to_blocked(scale: torch.Tensor) -> torch.Tensor:
+    """A (rows, cols) scale matrix in cuBLAS's swizzled block-scale layout: padded to 128 x 4
+    tiles, each tile stored as 32 rows of 16 (rows ``i``, ``i + 32``, ``i + 64``, ``i + 96``
+    side by side), flattened.
+
+    Example:
+        >>> to_blocked(torch.arange(8.0).reshape(2, 4)).shape
+        torch.Size([512])
+
+    Host sync: none.
+    """
+    rows, cols = scale.shape
+    pr, pc = -rows % 128, -cols % 4
+    if pr or pc:
+        scale = F.pad(
+            scale.view(torch.uint8) if scale.element_size() == 1 else scale, (0, pc, 0, pr)
+        )
+    r, c = scale.shape
+    tiles = scale.reshape(r // 128, 128, c // 4, 4).permute(0, 2, 1, 3)
+    return tiles.reshape(-1, 4, 32, 4).transpose(1, 2).reshape(-1).contiguous()
+
+
+def pack_e2m1(values: torch.Tensor) -> torch.Tensor:
+    """e2m1 values (held in any float dtype), two per byte along the last dimension (the first
+    in the low nibble), as ``torch.float4_e2m1fn_x2``.
+
+    Example:
+        >>> pack_e2m1(torch.tensor([[0.5, -6.0]])).view(torch.uint8).tolist()
+        [[241]]
+
+    Host sync: none.
+    """
+    v = values.to(torch.float32)
+    mag = v.abs()
+    code = torch.zeros_like(mag, dtype=torch.uint8)
+    for i, level in enumerate(_E2M1_CODES[1:], start=1):
+        code = torch.where(mag == level, i, code).to(torch.uint8)
+    code = code | (torch.signbit(v).to(torch.uint8) << 3)
+    pairs = code.reshape(*code.shape[:-1], -1, 2)
+    packed = pairs[..., 0] | (pairs[..., 1] << 4)
+    return packed.contiguous().view(torch.float4_e2m1fn_x2)
+
+
+def _per_row(scale: torch.Tensor, rows: int) -> torch.Tensor:
+    """2D block scales as 1D block scales: each block row repeated over the rows it covers."""
+    return scale if rows == 1 else scale.repeat_interleave(rows, dim=0)
+
+
+def tensor_row_mm(a: Side, b: Side, out: torch.dtype, fast_accum: bool) -> torch.Tensor:
+    """Tensorwise or rowwise ``_scaled_mm`` (scales applied after a tensorwise kernel for the
+    rowwise matmuls without fast accumulation, as torchao does).
+
+    Host sync: none.
+    """
+    qa, sa, _ = oriented(a)
+    bt, sbt, _ = oriented(b.flipped())
+    ia, ib = sa.reciprocal(), sbt.reciprocal()
+    rowwise = not (a.cast.tensorwise and b.cast.tensorwise)
+    if rowwise:  # the rowwise kernel wants both scales as vectors
+        ia = ia.reshape(-1, 1).expand(qa.shape[0], 1).contiguous()
+        ib = ib.reshape(1, -1).expand(1, bt.shape[0]).contiguous()
+    else:
+        ia, ib = ia.reshape(()), ib.reshape(())
+    post = None
+    if rowwise and not fast_accum:
+        post, ia, ib = ia * ib, ia.new_ones(()), ia.new_ones(())
+    kernel_out = torch.bfloat16 if rowwise else out  # rowwise kernels write bf16 only
+    res = torch._scaled_mm(
+        qa.contiguous(),
+        bt.contiguous().t(),
+        scale_a=ia,
+        scale_b=ib,
+        out_dtype=kernel_out,
+        use_fast_accum=fast_accum,
+    )
+    return (res if post is None else res * post).to(out)
+
+
+def block_mm(a: Side, b: Side, out: torch.dtype) -> torch.Tensor:
+    """``F.scaled_mm`` with block scales: MXFP8 (1x32 E8M0), NVFP4 (1x16 E4M3 and a tensor
+    scale; 16x16 weight blocks given as 1x16 rows), 1x128 / 128x128 fp32.
+
+    Host sync: none.
+    """
+    if a.cast.scale == "e8m0":
+        return _mx(a, b, out)
+    if a.cast.scale == "e4m3_fp32":
+        return _nvfp4(a, b, out)
+    return _blocks_128(a, b, out)
+
+
+def _mx(a: Side, b: Side, out: torch.dtype) -> torch.Tensor:
+    qa, sa, _ = oriented(a)
+    bt, sbt, _ = oriented(b.flipped())
+    e8m0 = torch.float8_e8m0fnu
+    res = F.scaled_mm(
+        qa.contiguous(),
+        bt.contiguous().t(),
+        scale_a=to_blocked(sa).view(e8m0),
+        scale_recipe_a=F.ScalingType.BlockWise1x32,
+        scale_b=to_blocked(sbt).view(e8m0),
+        scale_recipe_b=F.ScalingType.BlockWise1x32,
+        swizzle_a=F.SwizzleType.SWIZZLE_32_4_4,
+        swizzle_b=F.SwizzleType.SWIZZLE_32_4_4,
+        output_dtype=torch.bfloat16,
+    )
+    return res.to(out)
+
+
+def _nvfp4(a: Side, b: Side, out: torch.dtype) -> torch.Tensor:
+    qa, sa, ra = oriented(a)
+    bt, sbt, rb = oriented(b.flipped())
+    assert a.q.tensor_scale is not None and b.q.tensor_scale is not None
+    swz = [F.SwizzleType.SWIZZLE_32_4_4, F.SwizzleType.NO_SWIZZLE]
+    kinds = [F.ScalingType.BlockWise1x16, F.ScalingType.TensorWise]
+    res = F.scaled_mm(
+        pack_e2m1(qa),
+        pack_e2m1(bt).t(),
+        scale_a=[to_blocked(_per_row(sa, ra)).view(torch.float8_e4m3fn), a.q.tensor_scale],
+        scale_recipe_a=kinds,
+        scale_b=[to_blocked(_per_row(sbt, rb)).view(torch.float8_e4m3fn), b.q.tensor_scale],
+        scale_recipe_b=kinds,
+        swizzle_a=swz,
+        swizzle_b=swz,
+        output_dtype=torch.bfloat16,
+    )
+    return res.to(out)
+
+
+def _blocks_128(a: Side, b: Side, out: torch.dtype) -> torch.Tensor:
+    qa, sa, _ = oriented(a)
+    bt, sbt, rb = oriented(b.flipped())
+    if rb > 1:  # 128x128 weight blocks: K-major, the K blocks padded to a multiple of 4
+        scale_b = F.pad(sbt, (0, -sbt.shape[1] % 4), value=1.0).t()
+        kind_b = F.ScalingType.BlockWise128x128
+    else:  # 1x128: outer-dimension-major
+        scale_b, kind_b = sbt.t().contiguous().t(), F.ScalingType.BlockWise1x128
+    return F.scaled_mm(
+        qa.contiguous(),
+        bt.contiguous().t(),
+        scale_a=sa.t().contiguous().t(),
+        scale_recipe_a=F.ScalingType.BlockWise1x128,
+        scale_b=scale_b,
+        scale_recipe_b=kind_b,
+        output_dtype=out,
+    )
