@@ -79,7 +79,7 @@ def check_reach(root: nn.Module, policy: Policy) -> None:
 
     Host sync: none.
     """
-    globs = [(g, r) for g, r in policy.name_rules.items() if r.compute == "fp8"]
+    globs = [(g, r) for g, r in policy.name_rules.items() if r.fp8_family]
     if not globs:
         return
     named = list(root.named_modules())
@@ -124,7 +124,7 @@ def check_class_rule(target: type[nn.Module] | str, rule: Rule) -> None:
 
     Host sync: none.
     """
-    if rule.compute == "fp8" and isinstance(target, type) and not can_serve(target):
+    if rule.fp8_family and isinstance(target, type) and not can_serve(target):
         raise ConfigError(
             f"module rule {class_label(target)}={rule}: fp8 cannot serve {target.__name__}; "
             f"it serves {SERVES}"

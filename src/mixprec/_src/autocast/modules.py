@@ -297,7 +297,7 @@ def _enter_rule(
         torch.is_autocast_cache_enabled(),
         None,  # what fp8.enter_rule returned
     )
-    if rule.compute == "fp8":
+    if rule.fp8_family:
         return (*saved[:3], fp8.enter_rule(module, rule, rec, _MAPS_BUILT[0])), args, kwargs
     if rule.compute in ("fp32", "keep"):
         torch.set_autocast_enabled(dev, False)

@@ -15,7 +15,8 @@ from dataclasses import dataclass
 import torch
 
 from mixprec._src.autocast.native import LOW_PRECISION_DTYPES
-from mixprec._src.fp8.recipes import RECIPES as FP8_RECIPES
+from mixprec._src.fp8.recipes import WORDS as FP8_WORDS
+from mixprec._src.fp8.recipes import canonical
 from mixprec.errors import ConfigError
 
 
@@ -48,8 +49,9 @@ KINDS: dict[str, ComputeKind] = {
         ComputeKind("low"),  # the region's low-precision dtype
         ComputeKind("keep"),  # autocast off, no casts
         ComputeKind("promote", modules=False),  # ops: the widest floating input dtype
-        # fp8 (#14): the module's own matmuls on fp8 operands, the region's dtype around them
-        ComputeKind("fp8", ops=False, recipes=tuple(FP8_RECIPES)),
+        # the fp8 family ("fp8", "mxfp8", "nvfp4"; #14, #24): the module's own matmuls in a
+        # low-precision recipe of the fp8 package, the region's dtype around them
+        *(ComputeKind(word, ops=False, recipes=names) for word, names in FP8_WORDS.items()),
     )
 }
 
@@ -91,7 +93,7 @@ def accepted_compute(target: str | None = None) -> str:
     for kind in KINDS.values():
         if target is None or getattr(kind, target):
             text = f'"{kind.word}"' + (" (the region's dtype)" if kind.word == "low" else "")
-            if kind.recipes:
+            if len(kind.recipes) > 1:
                 text += " (" + ", ".join(f'"{kind.word}:{r}"' for r in kind.recipes) + ")"
             words.append(text)
     return ", ".join([*words, 'torch.float16 / "fp16"', 'torch.bfloat16 / "bf16"'])
@@ -124,9 +126,11 @@ def _parse_compute(value: object, recipe: object) -> tuple[str | torch.dtype, st
         raise ConfigError(f"unknown precision rule {value!r}; accepted: {accepted_compute()}")
     if recipe is not None and not isinstance(recipe, str):
         raise ConfigError(f"recipe must be a string or None, got {recipe!r}")
-    if written is not None and recipe is not None and written != recipe.strip().lower():
+    given = canonical(recipe) if recipe is not None else None
+    written = canonical(written) if written is not None else None  # torchao's spellings too
+    if written is not None and given is not None and written != given:
         raise ConfigError(f"rule {value!r} names recipe {written!r} but recipe={recipe!r}")
-    chosen = written or (recipe.strip().lower() if recipe is not None else None)
+    chosen = written or given
     kind = KINDS.get(word) if isinstance(word, str) else None
     if kind is None or not kind.recipes:
         if chosen is not None:
@@ -171,8 +175,10 @@ class Rule:
             first floating input), ``"low"`` (the region's dtype) or a floating torch dtype.
         recipe: the recipe of a compute kind that takes one, as ``"kind:recipe"`` would give it
             (the default recipe is used when none is given). ``"fp8"`` (modules only) takes
-            ``"tensorwise"`` (the default), ``"rowwise"`` or ``"rowwise_gw_hp"``: the module's
-            own matmuls on fp8 operands with dynamic scales (docs/fp8.md).
+            ``"tensorwise"`` (the default), ``"rowwise"``, ``"rowwise_gw_hp"`` (also spelled
+            ``"rowwise_with_gw_hp"``) or ``"blockwise"``; ``"mxfp8"`` and ``"nvfp4"`` are
+            recipes of their own: the module's own matmuls on low-precision operands with
+            dynamic scales (docs/fp8.md).
 
     Attributes:
         compute: the compute word (``"fp32"``, ...) or a low-precision dtype.
@@ -231,6 +237,19 @@ class Rule:
             return _cached_rule(value)  # rules are values: equal inputs share one instance
         except TypeError:  # unhashable: let the constructor say what is wrong
             return cls(value)
+
+    @property
+    def fp8_family(self) -> bool:
+        """Whether the rule runs a module's matmuls in a low-precision recipe (``"fp8"``,
+        ``"fp8:<recipe>"``, ``"mxfp8"``, ``"nvfp4"``).
+
+        Example:
+            >>> Rule("nvfp4").fp8_family, Rule("bf16").fp8_family
+            (True, False)
+
+        Host sync: none.
+        """
+        return isinstance(self.compute, str) and self.compute in FP8_WORDS
 
     @property
     def kind(self) -> ComputeKind | None:
