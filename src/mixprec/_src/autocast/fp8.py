@@ -8,8 +8,10 @@ recipe registered there is a rule word here at once (``"fp8:<recipe>"``, through
   subtree, and fp8 is no exception: ``"encoder=fp8"`` runs every Linear inside ``encoder`` in fp8,
   except under descendants that have a rule of their own;
 - **the checks**: a class rule on a class fp8 cannot serve (:func:`check_class_rule`, when the
-  policy is built) and a name rule that reaches no Linear at all (:func:`check_reach`, when a
-  model first runs under the policy) are errors, never rules that silently do nothing;
+  policy is built), a name rule that reaches no Linear at all or a rule that reaches an
+  ``nn.MultiheadAttention`` (:func:`check_reach`, when a model first runs under the policy) and
+  a class rule that served no module in a whole region (:func:`check_class_reach`, when the
+  region exits) are errors, never rules that silently do nothing;
 - **entering and leaving** a module that carries an fp8 rule (:func:`enter_rule`,
   :func:`exit_rule`), called by the module-rule hooks (:mod:`.modules`) in place of the native
   state switch the other rules make: the module's own matmuls run on fp8 operands and the
@@ -53,6 +55,8 @@ def fp8_targets(
     pending = [(name, module)]
     while pending:
         qual, mod = pending.pop()
+        if isinstance(mod, nn.MultiheadAttention):
+            raise ConfigError(_attention_message(qual))
         if can_serve(type(mod)):
             found.append((qual, mod))
         for child_name, child in reversed(list(mod.named_children())):
@@ -63,7 +67,9 @@ def fp8_targets(
 
 
 def check_reach(root: nn.Module, policy: Policy) -> None:
-    """Refuse an fp8 name rule that governs modules of ``root`` but reaches none of its Linears.
+    """Refuse an fp8 name rule that governs modules of ``root`` but reaches none of its Linears,
+    and any fp8 rule that reaches an ``nn.MultiheadAttention``; note which fp8 class rules serve
+    a module of ``root`` (for :func:`check_class_reach`).
 
     Example:
         >>> from mixprec import Policy
@@ -75,14 +81,17 @@ def check_reach(root: nn.Module, policy: Policy) -> None:
         mixprec.errors.ConfigError: module rule '1=fp8' reaches no Linear module: ...
 
     Raises:
-        ConfigError: names the rule, what it matched, and the Linear modules there are.
+        ConfigError: names the rule, what it matched, and the Linear modules there are; or the
+            attention module and the fix.
 
     Host sync: none.
     """
-    globs = [(g, r) for g, r in policy.name_rules.items() if r.fp8_family]
-    if not globs:
-        return
     named = list(root.named_modules())
+    classes = {t: r for t, r in policy.class_rules.items() if r.fp8_family}
+    globs = [(g, r) for g, r in policy.name_rules.items() if r.fp8_family]
+    if not (classes or globs):
+        return
+    _check_attention(named, policy)
     for glob, rule in globs:
         governed = [
             (n, m)
@@ -91,6 +100,76 @@ def check_reach(root: nn.Module, policy: Policy) -> None:
         ]
         if governed and not any(fp8_targets(m, n, policy) for n, m in governed):
             raise ConfigError(_unreached_message(glob, rule, governed, named))
+    reached = set()
+    for n, m in named:
+        own = policy.module_rule(m, n)
+        cls = next((c for c in type(m).__mro__ if c in classes), None)
+        if cls is not None and own is classes[cls] and fp8_targets(m, n, policy):
+            reached.add(cls)
+    root.__dict__[_REACHED_ATTR] = (policy, reached)
+
+
+_REACHED_ATTR = "_mixprec_fp8_reached"
+
+
+def check_class_reach(policy: Policy, roots: list[nn.Module]) -> ConfigError | None:
+    """The error for fp8 class rules that served no module of the models run in a region
+    (``"nn.Linear=fp8"`` on a model without a Linear), or None.
+
+    Example:
+        >>> from mixprec import Policy
+        >>> net = nn.Sequential(nn.Conv1d(2, 2, 1))
+        >>> check_reach(net, Policy("nn.Linear=fp8"))
+        >>> print(check_class_reach(Policy("nn.Linear=fp8"), [net]))
+        module rule nn.Linear=fp8 served no module in this region: ...
+
+    Host sync: none.
+    """
+    wanted = {t: r for t, r in policy.class_rules.items() if r.fp8_family}
+    if not wanted:
+        return None
+    reached: set[type] = set()
+    for root in roots:
+        noted = root.__dict__.get(_REACHED_ATTR)
+        if noted is None or noted[0] is not policy:
+            return None  # not prepared under this policy: nothing known, nothing claimed
+        reached |= noted[1]
+    missing = [f"{class_label(t)}={r}" for t, r in wanted.items() if t not in reached]
+    if not missing:
+        return None
+    models = ", ".join(type(r).__name__ for r in roots[:3])
+    return ConfigError(
+        f"module rule {', '.join(missing)} served no module in this region: the models run "
+        f"here ({models}) hold no module of that class that fp8 can serve (fp8 serves "
+        f"{SERVES}). Drop the rule, name the modules it should serve, or pass "
+        "Policy(..., strict=False) to allow it."
+    )
+
+
+def _check_attention(named: list[tuple[str, nn.Module]], policy: Policy) -> None:
+    """Refuse an fp8 rule on an ``nn.MultiheadAttention`` or on its ``out_proj`` (unless the
+    attention module has a rule of its own that is not fp8: then it runs in that)."""
+    for n, m in named:
+        if not isinstance(m, nn.MultiheadAttention):
+            continue
+        own = policy.module_rule(m, n)
+        proj = policy.module_rule(m.out_proj, f"{n}.out_proj" if n else "out_proj")
+        if (own is not None and own.fp8_family) or (
+            own is None and proj is not None and proj.fp8_family
+        ):
+            raise ConfigError(_attention_message(n))
+
+
+def _attention_message(name: str) -> str:
+    shown = repr(name) if name else "the model"
+    return (
+        f"an fp8 rule reaches nn.MultiheadAttention {shown}: its forward calls "
+        "F.multi_head_attention_forward with its packed projection weights, so no fp8 rule can "
+        "serve its projections (out_proj's own forward never runs). Give it a rule of its own "
+        f"that is not fp8 (e.g. '{name or '<module>'}=bf16', or "
+        "Policy(modules={nn.MultiheadAttention: 'bf16'})), or build the attention from "
+        "nn.Linear projections and F.scaled_dot_product_attention."
+    )
 
 
 def _unreached_message(

@@ -17,6 +17,7 @@ from typing import Any, TypeVar
 import torch
 from torch._compile import _disable_dynamo
 
+from mixprec._src.autocast import fp8
 from mixprec._src.autocast.modules import (
     TLS,
     Frame,
@@ -147,6 +148,10 @@ def _exit_policy(entered: Entered, own_policy: Policy | None, clean: bool) -> No
     strict = clean and policy is not None and policy is own_policy and policy.strict
     if strict and policy is not None and policy.name_rules and frame.names_seen:
         error = policy._unmatched_error(sorted(frame.names_seen), "that ran in the region")
+        if error is not None:
+            raise error
+    if strict and policy is not None and frame.enabled and frame.names_seen:
+        error = fp8.check_class_reach(policy, [root for root, _ in tls.roots])
         if error is not None:
             raise error
 

@@ -17,6 +17,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 from torch._compile import _disable_dynamo
+from torch.nn.utils import parametrize
 from torch.overrides import TorchFunctionMode
 
 from mixprec._src.fp8.matmul import Plan, fp8_linear, use_scaled_mm
@@ -55,9 +56,10 @@ class Fp8LinearMode(TorchFunctionMode):
     Host sync: none.
     """
 
-    def __init__(self, served: tuple[tuple[torch.Tensor, Plan], ...]) -> None:
+    def __init__(self, served: tuple[tuple[torch.Tensor, Plan], ...], cache: Any = None) -> None:
         super().__init__()
         self.served = served  # compared with ``is``: traceable, and tied weights need no care
+        self.cache = cache  # parametrize's cache, open while a parametrized weight is served
 
     def __torch_function__(
         self,
@@ -114,44 +116,67 @@ def enter_modules(
     stats = active_stats()
     if stats is not None and torch.compiler.is_compiling():
         _refuse_stats_while_compiling()
-    served = []
+    served: list[tuple[torch.Tensor, Plan]] = []
+    cache = None
     for name, module in targets:
+        if parametrize.is_parametrized(module, "weight"):
+            # Recomputed at each access: computed here with parametrize's cache open, the
+            # forward's F.linear receives this very tensor (its gradient flows to the
+            # parametrization's parameters).
+            if torch.compiler.is_compiling():
+                _refuse_parametrized_while_compiling(name)
+            cache = cache or _ParametrizeCache()
         weight = getattr(module, "weight", None)
         if isinstance(weight, torch.Tensor):
-            check_shape(name, weight, recipe)
+            check_shape(name, tuple(weight.shape), recipe)
             slot = None if stats is None else stats.slot(name, weight.device, recipe.name)
             fast = use_scaled_mm(weight.device, recipe)
             served.append((weight, Plan(recipe, hp, fast, slot, name)))
     if not served:
+        if cache is not None:
+            cache.close()
         return None
-    mode = Fp8LinearMode(tuple(served))
+    mode = Fp8LinearMode(tuple(served), cache)
     mode.__enter__()
     return mode
 
 
-def fits(weight: torch.Tensor, recipe: Recipe) -> bool:
-    """Whether ``recipe``'s blocks tile a Linear weight's features (what :func:`check_shape`
-    refuses otherwise).
+class _ParametrizeCache:
+    """``torch.nn.utils.parametrize.cached()`` opened in one hook and closed in another (the
+    same two steps as the context manager, which torch.compile cannot trace across hooks)."""
+
+    def __init__(self) -> None:
+        parametrize._cache_enabled += 1
+
+    def close(self) -> None:
+        parametrize._cache_enabled -= 1
+        if not parametrize._cache_enabled:
+            parametrize._cache = {}
+
+
+def fits(shape: tuple[int, ...], recipe: Recipe) -> bool:
+    """Whether ``recipe``'s blocks tile a Linear weight of ``shape`` (out, in) (what
+    :func:`check_shape` refuses otherwise).
 
     Example:
         >>> from mixprec._src.fp8.recipes import get_recipe
         >>> mx = get_recipe("mxfp8")
-        >>> fits(torch.ones(64, 96), mx), fits(torch.ones(8, 96), mx)
+        >>> fits((64, 96), mx), fits((8, 96), mx)
         (True, False)
 
     Host sync: none.
     """
     _, k, n = recipe.multiples()
-    return weight.dim() == 2 and weight.shape[1] % k == 0 and weight.shape[0] % n == 0
+    return len(shape) == 2 and shape[1] % k == 0 and shape[0] % n == 0
 
 
-def check_shape(name: str, weight: torch.Tensor, recipe: Recipe) -> None:
+def check_shape(name: str, shape: tuple[int, ...], recipe: Recipe) -> None:
     """Refuse a Linear whose features the recipe's blocks do not tile (the tokens are padded).
 
     Example:
         >>> from mixprec._src.fp8.recipes import get_recipe
-        >>> check_shape("fc", torch.ones(64, 96), get_recipe("mxfp8"))
-        >>> check_shape("fc", torch.ones(64, 100), get_recipe("mxfp8"))
+        >>> check_shape("fc", (64, 96), get_recipe("mxfp8"))
+        >>> check_shape("fc", (64, 100), get_recipe("mxfp8"))
         Traceback (most recent call last):
         ...
         mixprec.errors.ConfigError: Linear 'fc' (in_features=100, out_features=64) cannot run ...
@@ -161,10 +186,9 @@ def check_shape(name: str, weight: torch.Tensor, recipe: Recipe) -> None:
 
     Host sync: none.
     """
-    if fits(weight, recipe):
+    if fits(shape, recipe):
         return
     _, k, n = recipe.multiples()
-    shape = tuple(weight.shape)
     raise ConfigError(
         f"Linear {name!r} (in_features={shape[-1]}, out_features={shape[0]}) cannot run "
         f"recipe {recipe.name!r}: its blocks need in_features a multiple of {k} and "
@@ -186,7 +210,22 @@ def _refuse_stats_while_compiling() -> None:
     raise ConfigError(_STATS_COMPILE_MSG)
 
 
+@_disable_dynamo
+def _refuse_parametrized_while_compiling(name: str) -> None:
+    # Traced, reading the weight here calls the parametrization's modules inside this hook,
+    # which dynamo does not follow reliably: refuse rather than risk a module run without fp8.
+    raise ConfigError(
+        f"an fp8-family rule reaches the parametrized Linear {name!r} (its weight is "
+        "recomputed at each access, e.g. weight_norm) inside a torch.compile'd model, where "
+        "mixprec cannot serve it: run that module eagerly, give it a rule of its own that is "
+        f"not fp8 (e.g. '{name or '<module>'}=bf16'), or remove the parametrization "
+        "(torch.nn.utils.parametrize.remove_parametrizations) before compiling"
+    )
+
+
 def exit_module(token: Fp8LinearMode | None) -> None:
     """Undo :func:`enter_module` or :func:`enter_modules`. Host sync: none."""
     if token is not None:
         token.__exit__(None, None, None)
+        if token.cache is not None:
+            token.cache.close()
