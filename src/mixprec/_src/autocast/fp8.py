@@ -131,7 +131,7 @@ def check_class_reach(policy: Policy, roots: list[nn.Module]) -> ConfigError | N
     reached: set[type] = set()
     for root in roots:
         noted = root.__dict__.get(_REACHED_ATTR)
-        if noted is None or noted[0] is not policy:
+        if noted is None or noted[0] != policy:
             return None  # not prepared under this policy: nothing known, nothing claimed
         reached |= noted[1]
     missing = [f"{class_label(t)}={r}" for t, r in wanted.items() if t not in reached]
