@@ -54,8 +54,10 @@ def _cast_format(cast: Cast | None, high: Format) -> Format:
 def recipe_operands(name: str, high: Format = BF16) -> Operands | None:
     """The operand formats of fp8 recipe ``name`` (registry or block-scaled word), None if
     the speed model does not know it; ``high`` for the matmuls a recipe leaves unquantized."""
+    if name in BLOCK_RECIPES:  # described above (the registry has them too now, #24)
+        return BLOCK_RECIPES[name]
     recipe: Recipe | None = RECIPES.get(name)
     if recipe is None:
-        return BLOCK_RECIPES.get(name)
+        return None
     casts = (recipe.x, recipe.w, recipe.dy_gi, recipe.w_gi, recipe.dy_gw, recipe.x_gw)
     return Operands(*(_cast_format(c, high) for c in casts))

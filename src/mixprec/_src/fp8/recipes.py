@@ -74,6 +74,12 @@ class Cast:
         assert self.dtype in _FORMAT_NAMES and self.scale in SCALES, self
 
     @property
+    def rowwise(self) -> bool:
+        """One scale per row along the contraction dimension (torchao's axis-wise scaling).
+        Host sync: none."""
+        return self.block == (1, 0)
+
+    @property
     def tensorwise(self) -> bool:
         """One scale for the whole tensor. Host sync: none."""
         return self.block == (0, 0)
