@@ -20,7 +20,7 @@ from torch import nn
 import mixprec
 from mixprec._src.advisor import gpus
 from mixprec._src.advisor.fastest import search_fastest
-from mixprec._src.advisor.formats import BLOCK_RECIPES, recipe_operands
+from mixprec._src.advisor.formats import recipe_operands
 from mixprec._src.advisor.gpus import GPU, GPUS
 from mixprec._src.advisor.metrics import db_to_ratio, ratio_to_db
 from mixprec._src.advisor.propose import Choice, Option
@@ -148,7 +148,7 @@ def test_torchao_measured_float8_speedups_within_25_percent(
 
 # --- the bytes each recipe's casts move -------------------------------------------------------
 
-UNIT = GPU("unit", "unit", {"bf16": 1e15}, 1.0, {"bf16": 1.0}, 1.0, block_scaled=True)
+UNIT = GPU("unit", "unit", {"bf16": 1e15}, 1.0, {"bf16": 1.0}, 1.0, capability=(10, 0))
 
 
 def _bytes(rows: int, cols: int, copies: list[tuple[Format, bool]]) -> float:
@@ -191,17 +191,22 @@ def test_recipes_read_from_the_registry() -> None:
     assert tensorwise.x.block is None and tensorwise.dy_gi.kind == "fp8"
     assert gw_hp.x_gw == BF16 and gw_hp.dy_gw == BF16  # grad_weight in high precision
     assert gw_hp.w_gi.block is None  # the weight tensorwise for grad_input
-    assert set(BLOCK_RECIPES) == {"mxfp8", "blockwise", "nvfp4"}
     assert recipe_operands("no-such-recipe") is None
 
 
-def test_what_each_target_can_run() -> None:
+def test_what_each_gpu_can_run() -> None:
+    """Block-scaled recipes run in hardware from compute capability 10.0 (MXFP8, NVFP4), torch's
+    128-block kernels on Hopper only; elsewhere they would be emulated: not timed."""
     shape = [Shape(4096, 4096, 4096)]
     for recipe, hopper in (("mxfp8", False), ("nvfp4", False), ("blockwise", True)):
         ops = recipe_operands(recipe)
         assert ops is not None
         assert (module_time(GPUS["h100"], shape, ops) is not None) == hopper, recipe
-        assert module_time(GPUS["b200"], shape, ops) is not None, recipe
+        assert (module_time(GPUS["b200"], shape, ops) is not None) != hopper, recipe
+    for recipe in ("tensorwise", "rowwise", "rowwise_gw_hp"):
+        ops = recipe_operands(recipe)
+        assert ops is not None
+        assert all(module_time(g, shape, ops) is not None for g in GPUS.values()), recipe
 
 
 def test_large_gemms_approach_the_peak_ratio_and_small_ones_lose() -> None:
@@ -281,7 +286,7 @@ def test_speed_search_keeps_a_layer_where_fp8_is_slower_and_respects_keep_at_mos
 def _slow_compute_gpu() -> GPU:
     """A GPU whose matmuls are slow and memory free: fp8 always wins."""
     peaks = {"fp32": 1e9, "bf16": 2e9, "fp8": 4e9}
-    return GPU("test", "test GPU", peaks, 1e18, dict.fromkeys(peaks, 1.0), 1.0, block_scaled=False)
+    return GPU("test", "test GPU", peaks, 1e18, dict.fromkeys(peaks, 1.0), 1.0, capability=(9, 0))
 
 
 def test_advise_predicts_time_and_chooses_by_speed(monkeypatch: pytest.MonkeyPatch) -> None:
@@ -327,3 +332,56 @@ def test_objective_and_target_are_checked_before_any_pass() -> None:
         with pytest.raises(ConfigError, match=match):
             mixprec.advise(model, batch, loss_fn, **kwargs)
     assert calls == []
+
+
+# The block-scaled recipes as their publications define them, written here from those texts
+# (element bits, block, scale storage, hardware), independently of the fp8 registry.
+_MX = Format("fp8", 8, 32, 1)  # OCP MX: e4m3, 32-element blocks, E8M0 scales
+_B1 = Format("fp8", 8, 128, 4)  # DeepSeek-V3: 1 x 128 tiles of activations and gradients,
+_B2 = Format("fp8", 8, 128, 4, tile=128)  # 128 x 128 weight blocks, fp32 scales
+_N1 = Format("fp4", 4, 16, 1, tensor_scale=True)  # NVFP4: e2m1, 16-element blocks, E4M3
+_N2 = Format("fp4", 4, 16, 1, tile=16, tensor_scale=True)  # scales + fp32; 16 x 16 weights
+PUBLISHED = {
+    "mxfp8": Operands(_MX, _MX, _MX, _MX, _MX, _MX, ((10, 0), (99, 0))),
+    "blockwise": Operands(_B1, _B2, _B1, _B2, _B1, _B1, ((9, 0), (10, 0))),
+    "nvfp4": Operands(_N1, _N2, _N1, _N2, _N1, _N1, ((10, 0), (99, 0))),
+}
+
+
+@pytest.mark.parametrize("name", sorted(PUBLISHED))
+def test_the_registrys_block_recipes_read_as_their_published_definitions(name: str) -> None:
+    assert recipe_operands(name) == PUBLISHED[name]
+
+
+@pytest.mark.parametrize(
+    ("candidates", "word"),
+    [(["nvfp4", "mxfp8", "bf16"], "nvfp4"), (["fp8:blockwise"], "fp8:blockwise")],
+)
+def test_the_new_recipe_words_are_candidates_with_predicted_times(
+    candidates: list[str], word: str
+) -> None:
+    """Any recipe word of the registry is a candidate (cheapest first); NVFP4 is timed on a
+    B200, not on an H100; blockwise (torch's kernels: Hopper only) the other way round."""
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(128, 256), nn.GELU(), nn.Linear(256, 128))
+    batch = (torch.randn(64, 128), torch.randn(64, 128))
+    loss = lambda m, b: torch.nn.functional.mse_loss(m(b[0]), b[1])  # noqa: E731
+    for gpu in ("b200", "h100"):
+        advice = mixprec.advise(model, batch, loss, candidates=candidates, gpu=gpu)
+        assert advice.candidates[0] == word
+        row = advice.modules[0]
+        found = row.measurement(word)
+        assert found is not None and found.fp8 is not None
+        runs = (gpu == "b200") != (word == "fp8:blockwise")
+        assert (found.time is not None) == runs, (gpu, word)
+
+
+def test_a_linear_whose_features_the_blocks_do_not_tile_is_not_served_by_that_recipe() -> None:
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(128, 256), nn.GELU(), nn.Linear(256, 40))
+    batch = (torch.randn(32, 128), torch.randn(32, 40))
+    loss = lambda m, b: torch.nn.functional.mse_loss(m(b[0]), b[1])  # noqa: E731
+    advice = mixprec.advise(model, batch, loss, candidates=["fp8:blockwise", "fp8"], gpu="h100")
+    first, last = advice.modules
+    assert first.candidates == ("fp8:blockwise", "fp8")
+    assert last.candidates == ("fp8",) and last.served  # 40 outputs: no 128-blocks

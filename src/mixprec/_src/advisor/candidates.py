@@ -1,7 +1,8 @@
 """Candidate precisions: what a rule word means to the advisor.
 
-A candidate is a module rule word of :class:`mixprec.Policy`: ``"fp16"``, ``"bf16"``, or an fp8
-recipe (``"fp8"``, ``"fp8:rowwise"``, ...). For each one the advisor needs three things: which
+A candidate is a module rule word of :class:`mixprec.Policy`: ``"fp16"``, ``"bf16"``, or any
+word of a recipe in the fp8 registry (``"fp8"``, ``"fp8:rowwise"``, ...): a rule whose compute
+word takes a recipe. For each one the advisor needs three things: which
 modules it can serve, how to run one module in it while the rest of the model stays in float32
 (the isolated pass), and the autocast region dtype a policy using it runs in.
 
@@ -23,7 +24,7 @@ from torch import nn
 from mixprec._src.autocast.region import autocast
 from mixprec._src.autocast.rules import Rule, format_dtype
 from mixprec._src.fp8 import hook as fp8_hook
-from mixprec._src.fp8.recipes import get_recipe
+from mixprec._src.fp8.recipes import RECIPES, get_recipe
 from mixprec._src.fp8.stats import Fp8Stats
 from mixprec.errors import ConfigError
 
@@ -43,12 +44,15 @@ class Candidate:
         return self.dtype == torch.float16
 
     def serves(self, module: nn.Module) -> bool:
-        """Whether this precision can be applied to ``module`` (16-bit: any module)."""
+        """Whether this precision can be applied to ``module`` (16-bit: any module; a recipe:
+        an ``nn.Linear`` whose features its blocks tile)."""
         if self.recipe is None:
             return True
-        return fp8_hook.can_serve(type(module)) and isinstance(
-            getattr(module, "weight", None), torch.Tensor
-        )
+        weight = getattr(module, "weight", None)
+        if not fp8_hook.can_serve(type(module)) or not isinstance(weight, torch.Tensor):
+            return False
+        _, k, n = get_recipe(self.recipe).multiples()
+        return weight.dim() == 2 and weight.shape[1] % k == 0 and weight.shape[0] % n == 0
 
     def isolated(
         self,
@@ -120,12 +124,13 @@ def _parse_one(word: object) -> Candidate:
             "such as 'fp16' or 'bf16'"
         )
     rule = Rule(word)  # raises ConfigError listing the accepted words
-    if rule.output is None and rule.compute == "fp8":
-        return Candidate(str(rule), None, rule.recipe)
+    if rule.output is None and isinstance(rule.compute, str) and rule.recipe is not None:
+        return Candidate(str(rule), None, rule.recipe)  # a recipe of the fp8 registry
     if rule.output is not None or rule.compute not in _16BIT:
+        recipes = ", ".join(f"'fp8:{name}'" for name in RECIPES)
         raise ConfigError(
             f"candidate {word!r} is not a low precision; candidates are 'fp16', 'bf16' (the "
-            "regions' dtypes) or fp8 recipes ('fp8', 'fp8:rowwise', 'fp8:rowwise_gw_hp'), "
+            f"regions' dtypes) or the fp8 registry's recipe words ('fp8', {recipes}, ...), "
             "listed cheapest first"
         )
     assert isinstance(rule.compute, torch.dtype)

@@ -1,20 +1,14 @@
 """What the speed model needs to know of a candidate: the format of each GEMM operand.
 
 A 16-bit candidate runs all six (GEMM, operand) pairs in its dtype, a kept module in float32
-(or, around fp8, in the region's dtype). An fp8 recipe of the registry
-(``mixprec._src.fp8.recipes``) is read cast by cast: its format (e4m3, e5m2: 8 bits) and its
-granularity (per tensor, per row); a matmul whose casts are ``None`` runs in the region's dtype.
-Block-scaled recipes are described from their published definitions (element bits, block,
-scale dtype) under their rule words until the registry carries those fields:
-
-* ``mxfp8``: the OCP MX format as TransformerEngine's ``MXFP8BlockScaling`` runs it: e4m3 in
-  32-element blocks with one E8M0 (1-byte) scale each, on every operand.
-* ``blockwise`` (``"fp8:blockwise"``): DeepSeek-V3's scaling (TE ``Float8BlockScaling``):
-  e4m3, fp32 scales per 1 x 128 tile of activations and gradients, per 128 x 128 block of
-  weights.
-* ``nvfp4``: the NVFP4 training recipe (arXiv 2509.25149, TE ``NVFP4BlockScaling``): e2m1 (4
-  bits) in 16-element blocks with E4M3 scales, one fp32 scale per tensor on top, 16 x 16 blocks
-  for weights.
+(or, around fp8, in the region's dtype). A recipe of the fp8 registry
+(``mixprec._src.fp8.recipes``) is read cast by cast: its element format (e4m3, e5m2: 8 bits;
+e2m1: 4), its block (``(across, along)`` the contraction: per tensor, per row, 1 x 32 for MXFP8,
+1 x 128 and 128 x 128 for DeepSeek's blockwise, 16-element blocks for NVFP4) and its scale's
+storage (fp32; one byte for E8M0 and for NVFP4's E4M3 block scales, which sit under one fp32
+tensor scale), and where it runs in hardware (the recipe's ``capability``); a matmul whose casts
+are ``None`` runs in the region's dtype. Stochastic rounding and NVFP4's Hadamard transform add
+no bytes (TransformerEngine fuses them into its casts).
 """
 
 from __future__ import annotations
@@ -22,20 +16,10 @@ from __future__ import annotations
 import torch
 
 from mixprec._src.advisor.speed import BF16, FP32, ROW, Format, Operands
-from mixprec._src.fp8.recipes import RECIPES, Cast, Recipe
+from mixprec._src.fp8.recipes import RECIPES, Cast
 
-_MX = Format("fp8", 8, 32, 1)
-_BLOCK_1D = Format("fp8", 8, 128, 4)
-_BLOCK_2D = Format("fp8", 8, 128, 4, tile=128)
-_FP4 = Format("fp4", 4, 16, 1, tensor_scale=True)
-_FP4_2D = Format("fp4", 4, 16, 1, tile=16, tensor_scale=True)
-
-#: Block-scaled recipes by word, in the registry's order (x, w, dy_gi, w_gi, dy_gw, x_gw).
-BLOCK_RECIPES: dict[str, Operands] = {
-    "mxfp8": Operands.uniform(_MX),
-    "blockwise": Operands(_BLOCK_1D, _BLOCK_2D, _BLOCK_1D, _BLOCK_2D, _BLOCK_1D, _BLOCK_1D),
-    "nvfp4": Operands(_FP4, _FP4_2D, _FP4, _FP4_2D, _FP4, _FP4),
-}
+#: Scales stored in one byte (E8M0; E4M3 under an fp32 tensor scale); the others are fp32.
+_ONE_BYTE_SCALES = ("e8m0", "e4m3_fp32")
 
 
 def dtype_format(dtype: torch.dtype) -> Format:
@@ -43,21 +27,25 @@ def dtype_format(dtype: torch.dtype) -> Format:
     return FP32 if dtype == torch.float32 else BF16
 
 
-def _cast_format(cast: Cast | None, high: Format) -> Format:
+def cast_format(cast: Cast | None, high: Format) -> Format:
+    """A registry cast as the speed model's format (``high`` for None: high precision)."""
     if cast is None:
         return high
-    bits = torch.finfo(cast.dtype).bits
+    bits = 4 if "float4" in str(cast.dtype) else 8
     kind = "fp8" if bits == 8 else "fp4"
-    return Format(kind, bits, ROW if cast.rowwise else None, 4)
+    across, along = cast.block
+    size = 1 if cast.scale in _ONE_BYTE_SCALES else 4
+    if along == 0:  # per tensor (0, 0) or per row (1, 0)
+        return Format(kind, bits, ROW if across else None, size)
+    tensor_scale = cast.scale == "e4m3_fp32"
+    return Format(kind, bits, along, size, tile=max(across, 1), tensor_scale=tensor_scale)
 
 
 def recipe_operands(name: str, high: Format = BF16) -> Operands | None:
-    """The operand formats of fp8 recipe ``name`` (registry or block-scaled word), None if
-    the speed model does not know it; ``high`` for the matmuls a recipe leaves unquantized."""
-    if name in BLOCK_RECIPES:  # described above (the registry has them too now, #24)
-        return BLOCK_RECIPES[name]
-    recipe: Recipe | None = RECIPES.get(name)
+    """The operand formats of the registry's recipe ``name``, None if it has none; ``high``
+    for the matmuls a recipe leaves unquantized."""
+    recipe = RECIPES.get(name)
     if recipe is None:
         return None
-    casts = (recipe.x, recipe.w, recipe.dy_gi, recipe.w_gi, recipe.dy_gw, recipe.x_gw)
-    return Operands(*(_cast_format(c, high) for c in casts))
+    x, w, dy_gi, w_gi, dy_gw, x_gw = (cast_format(c, high) for c in recipe.casts)
+    return Operands(x, w, dy_gi, w_gi, dy_gw, x_gw, recipe.capability)

@@ -33,8 +33,9 @@ class GPU:
         bandwidth: HBM bytes/s.
         efficiency: fraction of ``peak`` a large GEMM reaches, per kind.
         memory_efficiency: fraction of ``bandwidth`` a streaming kernel (a cast) reaches.
-        block_scaled: the tensor cores apply 16- and 32-element block scales (MXFP8, NVFP4);
-            without them those recipes have no hardware path.
+        capability: the CUDA compute capability; a recipe runs in hardware where its
+            capability range includes it (MXFP8 and NVFP4 from 10.0, torch's blockwise kernels
+            on 9.x only).
     """
 
     word: str
@@ -43,7 +44,7 @@ class GPU:
     bandwidth: float
     efficiency: Mapping[str, float]
     memory_efficiency: float
-    block_scaled: bool
+    capability: tuple[int, int]
 
     def rate(self, kind: str) -> float | None:
         """Achievable FLOP/s for ``kind``, None without a tensor-core path. Host sync: none."""
@@ -70,7 +71,7 @@ GPUS: dict[str, GPU] = {
         3.35 * T,
         _HOPPER,
         0.92,
-        block_scaled=False,
+        capability=(9, 0),
     ),
     "h200": GPU(
         "h200",
@@ -79,7 +80,7 @@ GPUS: dict[str, GPU] = {
         4.8 * T,
         _HOPPER,
         0.92,
-        block_scaled=False,
+        capability=(9, 0),
     ),
     "h200-nvl": GPU(
         "h200-nvl",
@@ -88,7 +89,7 @@ GPUS: dict[str, GPU] = {
         4.8 * T,
         _HOPPER,
         0.92,
-        block_scaled=False,
+        capability=(9, 0),
     ),
     "b200": GPU(
         "b200",
@@ -97,7 +98,7 @@ GPUS: dict[str, GPU] = {
         8.0 * T,
         _BLACKWELL,
         0.84,
-        block_scaled=True,
+        capability=(10, 0),
     ),
     "b300": GPU(
         "b300",
@@ -106,7 +107,7 @@ GPUS: dict[str, GPU] = {
         8.0 * T,
         _BLACKWELL,
         0.84,
-        block_scaled=True,
+        capability=(10, 3),
     ),
 }
 

@@ -75,12 +75,17 @@ BF16 = Format("bf16", 16)
 FP32 = Format("fp32", 32)
 
 
+#: CUDA compute capabilities ``(lowest, above the highest)`` a recipe's hardware matmuls run on.
+ANY_GPU = ((0, 0), (99, 0))
+
+
 @dataclass(frozen=True)
 class Operands:
     """The formats of the six (GEMM, operand) pairs of a module; see ``fp8.recipes.Recipe``.
 
     ``x``/``w``: forward; ``dy_gi``/``w_gi``: input gradient; ``dy_gw``/``x_gw``: weight
-    gradient.
+    gradient; ``capability``: where the recipe has a hardware path (elsewhere it is emulated,
+    which the model does not time).
     """
 
     x: Format
@@ -89,6 +94,7 @@ class Operands:
     w_gi: Format
     dy_gw: Format
     x_gw: Format
+    capability: tuple[tuple[int, int], tuple[int, int]] = ANY_GPU
 
     @classmethod
     def uniform(cls, fmt: Format) -> Operands:
@@ -147,17 +153,12 @@ def gemm_s(gpu: GPU, m: int, k: int, n: int, a: Format, b: Format) -> float | No
     """Seconds of one ``m x k @ k x n`` GEMM (16-bit output), None if ``gpu`` cannot run it."""
     kind = a.kind if a.bits <= b.bits else b.kind
     rate = gpu.rate(kind)
-    if rate is None or not _native(gpu, a) or not _native(gpu, b):
+    if rate is None:
         return None
     compute = 2.0 * m * k * n / rate
     data = m * k * a.bits / 8 + a.scales(m * k, k) + k * n * b.bits / 8 + b.scales(k * n, k)
     data += m * n * max(a.bits, b.bits, 16) / 8
     return max(compute, data / gpu.memory_rate, KERNEL_FLOOR_S)
-
-
-def _native(gpu: GPU, fmt: Format) -> bool:
-    small_blocks = fmt.block is not None and fmt.block not in (ROW, 128)
-    return not (fmt.quantized and small_blocks and not gpu.block_scaled)
 
 
 def cast_s(gpu: GPU, rows: int, cols: int, copies: Sequence[tuple[Format, bool]]) -> float:
@@ -184,6 +185,9 @@ def _upcast_s(gpu: GPU, numel: int) -> float:
 
 def module_time(gpu: GPU, shapes: Sequence[Shape], ops: Operands) -> Time | None:
     """A module's predicted time over its calls, None if ``gpu`` cannot run ``ops``."""
+    low, high = ops.capability
+    if not low <= gpu.capability < high:
+        return None
     total = ZERO
     for s in shapes:
         m, k, n = s.m, s.k, s.n
