@@ -57,7 +57,7 @@ def _sqnr_panel(ax: Any, advice: Advice) -> None:
     )
     ax.invert_yaxis()
     ax.grid(True, axis="x", alpha=0.3)
-    ax.legend(loc="lower right", fontsize=8)
+    ax.legend(loc="upper center", bbox_to_anchor=(0.5, -0.16), ncol=3, fontsize=8)
 
 
 def _values(advice: Advice) -> list[float]:
@@ -136,7 +136,7 @@ def _time_panel(ax: Any, advice: Advice) -> None:
     )
     ax.tick_params(axis="y", labelleft=False)
     ax.grid(True, axis="x", alpha=0.3)
-    ax.legend(loc="lower right", fontsize=8)
+    ax.legend(loc="upper center", bbox_to_anchor=(0.5, -0.16), ncol=2, fontsize=8)
 
 
 def _bf16_us(advice: Advice, i: int) -> float:
