@@ -105,6 +105,7 @@ def _mlp() -> tuple[nn.Module, Any]:
         ({"more_batches": torch.zeros(2)}, "more_batches must be a list or tuple.*Tensor"),
         ({"progress": 5}, "progress must be None or a function.*int 5"),
         ({"candidates": ["fp8"], "modules": ["1"]}, "serves nn.Linear"),
+        ({"candidates": ["mxfp8"]}, "with in_features a multiple of 32 and out_features of 32"),
         ({"gpu": "a100"}, "not a GPU"),
     ],
 )

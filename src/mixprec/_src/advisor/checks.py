@@ -13,6 +13,7 @@ from torch import nn
 
 from mixprec._src.advisor.candidates import Candidate
 from mixprec._src.fp8 import hook as fp8_hook
+from mixprec._src.fp8.recipes import get_recipe
 from mixprec.errors import ConfigError
 
 OBJECTIVES = ("fewest_kept", "speed")
@@ -108,9 +109,14 @@ def check_served(cands: Sequence[Candidate], chosen: Sequence[tuple[str, nn.Modu
     for cand in cands:
         if not any(cand.serves(m) for _, m in chosen):
             names = ", ".join(f"{n} ({type(m).__name__})" for n, m in chosen[:8])
+            tiles = ""
+            if cand.recipe is not None:
+                _, k, n = get_recipe(cand.recipe).multiples()
+                if (k, n) != (1, 1):
+                    tiles = f" with in_features a multiple of {k} and out_features of {n}"
             raise ConfigError(
-                f"candidate {cand.word!r} serves {fp8_hook.SERVES}; none of the measured "
-                f"modules is one: {names}{', ...' if len(chosen) > 8 else ''}"
+                f"candidate {cand.word!r} serves {fp8_hook.SERVES}{tiles}; none of the "
+                f"measured modules is one: {names}{', ...' if len(chosen) > 8 else ''}"
             )
 
 
