@@ -1,35 +1,23 @@
 """The update rule: against torch's kernel, against a tiny reference, and scripted trajectories.
 
-The rule is written once (``rule.next_scale``) and run on Python numbers (the host view, compiled
-by ``rule.host_rule``) and on device tensors (the general device form); torch's
-``_amp_update_scale_`` is the third form the device path uses with torch's settings. All three
-are held to the same reference here, and the compiled host form to the rule run primitive by
-primitive on Python numbers.
+The rule is written out twice (``rule.advance`` on Python numbers, the host form; ``rule.advance_``
+on device tensors, the device form, which runs torch's ``_amp_update_scale_`` with torch's settings
+and ``rule.general_advance_`` otherwise). Both are held to the same reference here, at the int32
+edge of the growth interval too, and the general device form to torch's kernel.
 """
 
 from __future__ import annotations
 
 import math
-import operator
 from typing import Any
 
-import pytest
 import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from mixprec import ScalerConfig
-from mixprec._src.scaling.config import FP32_TINY, to_f32
-from mixprec._src.scaling.rule import (
-    DEVICE,
-    Ops,
-    Tensors,
-    Values,
-    _advance,
-    advance_tensors_,
-    host_rule,
-    next_scale,
-)
+from mixprec._src.scaling.config import FP32_TINY, INT32_MAX, to_f32
+from mixprec._src.scaling.rule import Tensors, Values, advance, advance_, general_advance_
 
 CPU = torch.device("cpu")
 
@@ -45,12 +33,12 @@ def _reference(
 ) -> tuple[float, int, int]:
     """The documented rule, written as plainly as possible with numpy-free float32 rounding."""
     if overflow:
-        streak, tracker = streak + 1, 0
+        streak, tracker = min(streak + 1, INT32_MAX), 0
         if streak >= cfg.hysteresis:
             scale = to_f32(scale * cfg.backoff_factor)
     else:
-        streak, tracker = 0, tracker + 1
-        if tracker == cfg.growth_interval:
+        streak, tracker = 0, min(tracker + 1, INT32_MAX)  # the counts saturate at the int32 maximum
+        if tracker >= cfg.growth_interval:
             tracker = 0
             grown = to_f32(scale * cfg.growth_factor)
             if cfg.max_scale is not None and grown > cfg.max_scale:
@@ -74,7 +62,7 @@ def _reference(
 def test_general_rule_equals_torch_kernel(
     scale: float, growth: float, backoff: float, interval: int, sequence: list[float]
 ) -> None:
-    """With hysteresis 1 the tensor-op rule is bit-identical to torch's ``_amp_update_scale_``."""
+    """With hysteresis 1 the general device form is bit-identical to ``_amp_update_scale_``."""
     cfg = ScalerConfig(
         init_scale=scale, growth_factor=growth, backoff_factor=backoff, growth_interval=interval
     )
@@ -83,12 +71,7 @@ def test_general_rule_equals_torch_kernel(
     t_tracker = torch.zeros((), dtype=torch.int32)
     for flag in sequence:
         found = torch.tensor(flag)
-        new = next_scale(
-            ours.scale, ours.growth_tracker, ours.overflow_streak, found != 0, cfg, DEVICE
-        )
-        ours.scale.copy_(new[0])
-        ours.growth_tracker.copy_(new[1])
-        ours.overflow_streak.copy_(new[2])
+        general_advance_(ours, found, cfg)
         torch._amp_update_scale_(t_scale, t_tracker, found, growth, backoff, interval)
         if t_scale.item() < FP32_TINY:  # torch has no floor; ours clamps later
             return
@@ -115,38 +98,63 @@ def bounded_configs(draw: Any, intervals: Any = SHORT_INTERVALS) -> ScalerConfig
     )
 
 
-@settings(max_examples=150, deadline=None)
-@given(cfg=bounded_configs(), sequence=st.lists(flags, min_size=1, max_size=16))
-def test_device_rule_and_host_mirror_equal_reference(
-    cfg: ScalerConfig, sequence: list[float]
-) -> None:
-    scale, low, high = cfg.init_scale, cfg.min_scale, cfg.max_scale
-    state = Tensors.create(Values(scale), CPU)
-    host = Values(scale)
-    expected = (scale, 0, 0)
+def _check_both_forms(cfg: ScalerConfig, start: Values, sequence: list[float]) -> None:
+    """Host form, device form and general device form step by step against the reference."""
+    device, general = Tensors.create(start, CPU), Tensors.create(start, CPU)
+    host = start
+    expected = start[:3]
     for flag in sequence:
         overflow = flag != 0 or math.isnan(flag)
-        advance_tensors_(state, torch.tensor(flag), cfg)
-        host = host_rule(cfg)(host, overflow)
+        advance_(device, torch.tensor(flag), cfg)
+        general_advance_(general, torch.tensor(flag), cfg)
+        before, host = host, advance(host, overflow, cfg)
         expected = _reference(*expected, overflow, cfg)
-        got = (state.scale.item(), state.growth_tracker.item(), state.overflow_streak.item())
-        assert got == expected == (host.scale, host.growth_tracker, host.overflow_streak)
-        assert state.read() == host  # the counters too, and read() is exact
-        assert (low or FP32_TINY) <= got[0] <= (high or 3.5e38)
-        # powers of two stay exact powers of two with power-of-two factors
-        if (
-            math.log2(scale).is_integer()
-            and math.log2(cfg.growth_factor).is_integer()
-            and math.log2(cfg.backoff_factor).is_integer()
-        ):
-            assert math.log2(got[0]).is_integer()
+        assert host[:3] == expected
+        assert [type(v) for v in host[:3]] == [float, int, int]
+        grew, shrank = expected[0] > before.scale, expected[0] < before.scale
+        steps = (1, overflow, grew, shrank)
+        assert list(host.counters) == [a + b for a, b in zip(before.counters, steps, strict=True)]
+        assert (device.scale.item(), device.growth_tracker.item()) == expected[:2]
+        assert general.read()[:3] == expected
+        assert (cfg.min_scale or FP32_TINY) <= expected[0] <= (cfg.max_scale or 3.5e38)
+
+
+@settings(max_examples=150, deadline=None)
+@given(cfg=bounded_configs(), sequence=st.lists(flags, min_size=1, max_size=16))
+def test_device_and_host_forms_equal_reference(cfg: ScalerConfig, sequence: list[float]) -> None:
+    _check_both_forms(cfg, Values(cfg.init_scale), sequence)
+    scale = cfg.init_scale
+    if (
+        math.log2(scale).is_integer()
+        and math.log2(cfg.growth_factor).is_integer()
+        and math.log2(cfg.backoff_factor).is_integer()
+    ):  # powers of two stay exact powers of two with power-of-two factors
+        host = Values(scale)
+        for flag in sequence:
+            host = advance(host, flag != 0 or math.isnan(flag), cfg)
+            assert math.log2(host.scale).is_integer()
+
+
+@settings(max_examples=150, deadline=None)
+@given(
+    cfg=bounded_configs(intervals=st.sampled_from([1, 2, 3, 2**31 - 1, 2**40])),
+    start=st.tuples(*[st.sampled_from([0, 1, 2, 2**31 - 2, 2**31 - 1])] * 2),
+    sequence=st.lists(st.sampled_from([0.0, 0.0, 1.0]), min_size=1, max_size=16),
+)
+def test_both_forms_at_the_int32_edge_of_the_interval(
+    cfg: ScalerConfig, start: tuple[int, int], sequence: list[float]
+) -> None:
+    """Counts near the int32 maximum saturate; an interval beyond it never ends. (The tracker
+    starts below the interval, as a loaded checkpoint's does: torch's kernel assumes it.)"""
+    tracker = min(start[0], cfg.growth_interval - 1)
+    _check_both_forms(cfg, Values(cfg.init_scale, tracker, start[1], (5, 1, 2, 3)), sequence)
 
 
 def _trajectory(cfg: ScalerConfig, sequence: str) -> list[tuple[float, int, int]]:
     state = Tensors.create(Values(cfg.init_scale), CPU)
     out = []
     for ch in sequence:
-        advance_tensors_(state, torch.tensor(1.0 if ch == "x" else 0.0), cfg)
+        advance_(state, torch.tensor(1.0 if ch == "x" else 0.0), cfg)
         out.append((state.scale.item(), state.growth_tracker.item(), state.overflow_streak.item()))
     return out
 
@@ -192,62 +200,3 @@ def test_lowering_the_growth_interval_caps_the_tracker() -> None:
     scaler.step(opt)
     scaler.update()
     assert scaler.get_scale() == 8.0
-
-
-# The primitives on Python numbers, called one by one: what the compiled host rule must equal.
-INTERPRETED = Ops(
-    where=lambda c, a, b: a if c else b,
-    both=operator.and_,
-    either=operator.or_,
-    negate=operator.not_,
-    at_least=operator.ge,
-    minimum=min,
-    maximum=max,
-    isfinite=math.isfinite,
-    wide=float,
-    f32=to_f32,
-)
-
-
-@settings(max_examples=150, deadline=None)
-@given(
-    cfg=bounded_configs(intervals=st.sampled_from([1, 2, 3, 2**31 - 1, 2**40])),
-    start=st.tuples(st.sampled_from([0, 1, 2**31 - 2, 2**31 - 1]), st.integers(0, 3)),
-    sequence=st.lists(st.booleans(), min_size=1, max_size=16),
-)
-def test_compiled_host_rule_equals_the_rule_run_primitive_by_primitive(
-    cfg: ScalerConfig, start: tuple[int, int], sequence: list[bool]
-) -> None:
-    compiled = host_rule(cfg)
-    values = interpreted = Values(cfg.init_scale, start[0], start[1], (5, 1, 2, 3))
-    for overflow in sequence:
-        values = compiled(values, overflow)
-        interpreted = _advance(interpreted, overflow, cfg, INTERPRETED)
-        assert values == interpreted
-        assert [type(v) for v in values[:3]] == [float, int, int]
-    assert host_rule(cfg) is compiled  # compiled once per configuration
-
-
-def test_the_compiled_rule_shows_its_source() -> None:
-    source: str = host_rule(ScalerConfig(growth_interval=7)).source  # type: ignore[attr-defined]
-    assert " >= 7\n" in source  # numbers appear as literals
-    assert "to_f32" in source and "def advance(values, overflow):" in source
-
-
-def test_a_branch_on_a_traced_value_is_refused() -> None:
-    """A Python ``if`` on a traced value would bake one outcome into the compiled rule."""
-
-    def branching(scale: Any, tracker: Any, streak: Any, overflow: Any, *rest: Any) -> Any:
-        if overflow:
-            return scale, tracker, streak
-        return scale, tracker, streak
-
-    from mixprec._src.scaling import rule
-
-    saved = rule.next_scale
-    rule.next_scale = branching  # type: ignore[assignment]
-    try:
-        with pytest.raises(TypeError, match=r"ops\.where"):
-            host_rule.__wrapped__(ScalerConfig(growth_interval=11))
-    finally:
-        rule.next_scale = saved

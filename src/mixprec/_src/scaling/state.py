@@ -11,8 +11,8 @@ Before the first ``scale()`` the values are Python numbers. ``scale()`` creates 
 device of its first output (:meth:`ScaleState.materialize`); from then on the tensors are the
 truth and the host keeps a *view*:
 
-* whenever the host knows the iteration's outcome, the rule runs on the host view (compiled for
-  Python numbers, :func:`~mixprec._src.scaling.rule.host_rule`) and the view stays exact: always
+* whenever the host knows the iteration's outcome, the rule runs on the host view (the host
+  form, :func:`~mixprec._src.scaling.rule.advance`) and the view stays exact: always
   where tensors live in host memory (the CPU, see :mod:`mixprec._src.devices`: the flag is read
   from host memory for free), and on every device after a non-fused ``step``, which reads the
   flag anyway. The scale tensor is written when the scale changes (one ``fill_``, no sync); the
@@ -20,7 +20,7 @@ truth and the host keeps a *view*:
   (:attr:`ScaleState.tensors`). A CUDA iteration with a non-fused optimizer therefore launches no
   kernel in ``update()`` unless the scale changes;
 * otherwise (fused optimizers off the CPU, where nothing has read the flag) the rule runs on the
-  device (:func:`~mixprec._src.scaling.rule.advance_tensors_`), the view is dropped and only a
+  device (:func:`~mixprec._src.scaling.rule.advance_`), the view is dropped and only a
   lower bound on the scale is kept, until something reads the tensors again
   (:meth:`ScaleState.values`). Reading gives the exact values, so it never changes the
   trajectory.
@@ -34,8 +34,8 @@ from typing import Any
 import torch
 
 from mixprec._src.devices import caps
-from mixprec._src.scaling.config import ScalerConfig, to_f32
-from mixprec._src.scaling.rule import HostRule, Tensors, Values, advance_tensors_, host_rule
+from mixprec._src.scaling.config import INT32_MAX, ScalerConfig, to_f32
+from mixprec._src.scaling.rule import Tensors, Values, advance, advance_, uses_kernel
 from mixprec.errors import ConfigError
 
 # Backoff products are rounded to float32; shrinking the bound a little more keeps it a bound.
@@ -58,7 +58,6 @@ class ScaleState:
         self._iterations: int | None = values.counters[0]
         self._inv: torch.Tensor | None = None
         self._copies: dict[torch.device, torch.Tensor] = {}
-        self._rule: tuple[ScalerConfig, HostRule] | None = None  # the last config's compiled rule
 
     # ------------------------------------------------------------------ creating, reading
 
@@ -192,9 +191,7 @@ class ScaleState:
             tensors = self._tensors
             assert tensors is not None
             used = tensors.scale.clone() if keep else tensors.scale
-            if self._rule is None or self._rule[0] is not config:
-                self._rule = (config, host_rule(config))  # (skips hashing the config each time)
-            after = self._rule[1](before, overflow)
+            after = advance(before, overflow, config)
             changed = after.scale != before.scale
             if changed:
                 tensors.scale.fill_(after.scale)
@@ -206,7 +203,14 @@ class ScaleState:
         assert tensors is not None
         # The floor clamp is needed only when one backoff could take the scale near it.
         near_floor = self._bound * config.backoff_factor < 4 * config.floor
-        used = advance_tensors_(tensors, found_inf, config, clamp=near_floor)
+        used = tensors.scale.clone()
+        overflow_ = found_inf != 0
+        kernel = uses_kernel(config, used.device)
+        advance_(tensors, found_inf, config, clamp=near_floor)
+        if kernel:
+            tensors.overflow_streak.clamp_(max=INT32_MAX - 1).add_(1).mul_(overflow_)
+        grew, shrank = tensors.scale > used, tensors.scale < used
+        tensors.counters.add_(torch.stack([torch.ones_like(overflow_), overflow_, grew, shrank]))
         self._follow(config, compiling)
         return used, self._count(compiling, needed), self._host
 
