@@ -203,12 +203,12 @@ def host_path_check(device: torch.device) -> tuple[str, bool]:
         scaler.scale(model(torch.ones(2, 4, device=device)).sum()).backward()
         scaler.step(opt)
         scaler.update()
-    lost = engine_of(scaler).state.host_view is None
+    pending = engine_of(scaler).state.read_pending
     on_device = not caps(device).host_memory
-    ok = lost == on_device
+    ok = pending == on_device
     text = (
         f"Scaler path on {device}: {'device rule' if on_device else 'host rule'}; after fused "
-        f"steps the host {'lost track of' if lost else 'follows'} the scale: "
+        f"steps the host {'derives the values when read' if pending else 'holds the values'}: "
         f"{'ok' if ok else 'FAIL'}."
     )
     return text, ok

@@ -1,10 +1,10 @@
 """The two code paths of the scaler, both run on the CPU.
 
-On the CPU the scaler follows its scale on the host and writes the rule's result into the
-tensors (``DeviceCaps.host_memory``); on CUDA it runs the rule on the device and the host view
-only follows when it learns the outcome. :func:`device_path` makes the CPU take CUDA's branches:
+On the CPU the scaler keeps its values on the host and writes the scale tensor when the rule
+changes it (``DeviceCaps.host_memory``); on CUDA it runs the rule on the device and the host
+derives the values when it reads them. :func:`device_path` makes the CPU take CUDA's branches:
 its row of the device table (``mixprec._src.devices``) gets CUDA's scaler and kernel columns, and
-the host shortcut is made to fail loudly, so a test that runs under it exercises exactly what a
+the host path's rule is made to fail loudly, so a test that runs under it exercises exactly what a
 CUDA user runs (the same kernels, since the CPU has torch's AMP kernels as CUDA does).
 """
 
@@ -30,15 +30,8 @@ SCALER_COLUMNS = (
 )
 
 
-def _device_rule_only(advance: Any) -> Any:
-    def checked(self: state.ScaleState, *args: Any, **kwargs: Any) -> Any:
-        if self._host_memory:  # the host rule would run: the test would not test the device path
-            raise AssertionError(
-                "the host rule ran on the device path (host_memory should be False)"
-            )
-        return advance(self, *args, **kwargs)
-
-    return checked
+def _host_rule_refused(self: state.ScaleState, *args: Any, **kwargs: Any) -> Any:
+    raise AssertionError("the host rule ran on the device path (host_memory should be False)")
 
 
 @contextmanager
@@ -46,11 +39,11 @@ def device_path() -> Iterator[None]:
     """Inside the block, scalers created on the CPU take the path a CUDA user takes."""
     cpu, cuda = devices._TABLE["cpu"], devices._TABLE["cuda"]
     like_cuda = dataclasses.replace(cpu, **{c: getattr(cuda, c) for c in SCALER_COLUMNS})
-    saved = state.ScaleState.advance
+    saved = state.ScaleState._advance_host
     devices._TABLE["cpu"] = like_cuda
-    state.ScaleState.advance = _device_rule_only(saved)  # type: ignore[method-assign]
+    state.ScaleState._advance_host = _host_rule_refused  # type: ignore[method-assign]
     try:
         yield
     finally:
         devices._TABLE["cpu"] = cpu
-        state.ScaleState.advance = saved  # type: ignore[method-assign]
+        state.ScaleState._advance_host = saved  # type: ignore[method-assign]

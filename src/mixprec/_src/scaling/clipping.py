@@ -146,9 +146,10 @@ def _clip_norm(
     reduce = None  # sharded grads: the global norm, one all-reduce (mixprec._src.dist)
     if sharded is not None:
         reduce = functools.partial(engine.dist.reduce_norm_, norm_type=norm_type, group=sharded)
+    inv = engine.state.inv_scale()
     total, coefficient = clip.clip_grad_norm_(
         plan,
-        engine.state.inv_scale(),
+        inv,
         record.found_inf_per_device,
         limit,
         norm_type,
@@ -159,7 +160,7 @@ def _clip_norm(
         defer=in_step,
     )
     if flags is not None and sharded is None:  # replicated grads under Join: flags only
-        engine.dist.agree_(record.found_inf_per_device, flags, engine.state.inv_scale().device)
+        engine.dist.agree_(record.found_inf_per_device, flags, inv.device)
     engine.phases.mark_unscaled(record, optimizer, plan.missing, coefficient if in_step else None)
     return total
 
@@ -168,15 +169,16 @@ def _clip_value(engine: Engine, optimizer: _Optimizer, clip_value: float) -> Non
     """:func:`clip_grad_value_` on an engine. Host sync: none."""
     limit = validated_limit(clip_value, "clip_value")
     record, plan, (group, _) = _plan_for_clip(engine, optimizer, "clip_grad_value_")
+    inv = engine.state.inv_scale()
     clip.clip_grad_value_(
         plan,
-        engine.state.inv_scale(),
+        inv,
         record.found_inf_per_device,
         limit,
         check_output=engine.state.may_be_below_one,
     )
     if group is not None:  # one all-reduce of the flag (mixprec._src.dist)
-        engine.dist.agree_(record.found_inf_per_device, group, engine.state.inv_scale().device)
+        engine.dist.agree_(record.found_inf_per_device, group, inv.device)
     engine.phases.mark_unscaled(record, optimizer, plan.missing)
 
 

@@ -39,8 +39,7 @@ def get_growth_tracker(self: GradScaler) -> int:
 
 def growth_tracker_tensor(self: GradScaler) -> torch.Tensor | None:
     """The growth tracker tensor, or None before the first ``scale()``. Host sync: none."""
-    tensors = engine_of(self).state.tensors
-    return None if tensors is None else tensors.growth_tracker
+    return engine_of(self).state.growth_tracker()
 
 
 def check_inf_per_device(

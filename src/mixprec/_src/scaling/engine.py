@@ -92,14 +92,12 @@ class Engine:
         plan, group, agree = self.dist.prepare(plan_grads(optimizer))
         if plan.low_precision:
             raise LowPrecisionGradError(diagnostics.low_precision_message(plan.low_precision))
+        inv = self.state.inv_scale()
         unscale_grads_(
-            plan,
-            self.state.inv_scale(),
-            record.found_inf_per_device,
-            check_output=self.state.may_be_below_one,
+            plan, inv, record.found_inf_per_device, check_output=self.state.may_be_below_one
         )
         if agree:  # one all-reduce per optimizer per iteration (mixprec._src.dist)
-            self.dist.agree_(record.found_inf_per_device, group, self.state.inv_scale().device)
+            self.dist.agree_(record.found_inf_per_device, group, inv.device)
         self.phases.mark_unscaled(record, optimizer, plan.missing)
         if for_step and not record.found_inf_per_device:
             self.phases.reopen(record)

@@ -208,9 +208,7 @@ class GradScaler:
             total = sum_on(flags, scale.device)
             telemetry, state = self._telemetry, self._state
             keep = telemetry.history.capacity > 0
-            used, iteration, values = state.advance(
-                total, overflow, config, keep, telemetry.wants_events
-            )
+            used, iteration, values = state.advance(total, overflow, config, keep)
             limit = config.max_consecutive_skips
             if values is None and limit is not None:
                 values = state.values()  # the limit must be checked now: read the device

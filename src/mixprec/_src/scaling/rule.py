@@ -69,12 +69,11 @@ def advance(values: Values, overflow: bool, config: ScalerConfig) -> Values:
 
 @dataclass
 class Tensors:
-    """The same values on a device: three 0-d tensors and an int64 vector of the counters."""
+    """The scale, growth tracker and overflow streak on a device (0-d float32, int32, int32)."""
 
     scale: torch.Tensor
     growth_tracker: torch.Tensor
     overflow_streak: torch.Tensor
-    counters: torch.Tensor
 
     @classmethod
     def create(cls, values: Values, device: torch.device) -> Tensors:
@@ -83,28 +82,22 @@ class Tensors:
             torch.full((), values.scale, dtype=torch.float32, device=device),
             torch.full((), values.growth_tracker, dtype=torch.int32, device=device),
             torch.full((), values.overflow_streak, dtype=torch.int32, device=device),
-            torch.tensor(values.counters, dtype=torch.int64, device=device),
         )
 
     def write(self, values: Values) -> None:
-        """Store ``values`` (a few ``fill_`` and one copy; no host sync)."""
+        """Store ``values`` (three ``fill_``). Host sync: none."""
         self.scale.fill_(values.scale)
         self.growth_tracker.fill_(values.growth_tracker)
         self.overflow_streak.fill_(values.overflow_streak)
-        self.counters.copy_(torch.tensor(values.counters, dtype=torch.int64))
 
-    def read(self) -> Values:
-        """Every value, exactly, in one read (the scale travels as its float32 bits).
-
-        Host sync: one off the host.
-        """
-        bits = self.scale.reshape(1).view(torch.int32).long()
-        small = torch.stack([self.growth_tracker, self.overflow_streak]).long()
-        it, overflows, growths, backoffs, tracker, streak, scale_bits = torch.cat(
-            [self.counters, small, bits]
+    def read(self) -> tuple[float, int, int]:
+        """``(scale, growth_tracker, overflow_streak)``, exactly (the scale travels as its
+        float32 bits). Host sync: one off the host."""
+        bits = self.scale.reshape(1).view(torch.int32)
+        scale_bits, tracker, streak = torch.cat(
+            [bits, self.growth_tracker.reshape(1), self.overflow_streak.reshape(1)]
         ).tolist()
-        scale = struct.unpack("f", struct.pack("i", scale_bits))[0]
-        return Values(scale, tracker, streak, (it, overflows, growths, backoffs))
+        return struct.unpack("f", struct.pack("i", scale_bits))[0], tracker, streak
 
 
 def uses_kernel(config: ScalerConfig, device: torch.device) -> bool:

@@ -64,7 +64,7 @@ def stats(self: GradScaler) -> ScalerStats:
     state, telemetry = engine_of(self).state, engine_of(self).telemetry
     if not self.is_enabled():
         return stats_of(state.values(), scale=1.0)
-    seen = state.host_view is not None
+    seen = not state.read_pending
     stats = stats_of(state.values())
     if not seen:
         telemetry.watch(stats.scale, stats.consecutive_skips, None, list, may_raise=False)
