@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import pickle
+import re
 
 import pytest
 import torch
@@ -86,6 +87,24 @@ def test_fp16_grads_are_named_and_nothing_changes(setup: tuple) -> None:
         scaler.unscale_(opt)
     assert torch.equal(before, model[0].weight.grad)  # nothing was unscaled
     assert scaler._phases.get(opt).stage is mixprec.types.OptState.READY
+
+
+def test_update_after_a_refused_unscale_says_what_happened() -> None:
+    """After ``unscale_`` raised for fp16 gradients, ``update()`` says that the optimizer's
+    parameters were never checked because a call raised (not "The optimizer has no parameters"
+    of an optimizer with two), and how to go on."""
+    model = nn.Linear(2, 1).half()
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    scaler = mixprec.GradScaler()
+    scaler.scale(model(torch.ones(1, 2).half()).float().sum()).backward()
+    with pytest.raises(LowPrecisionGradError):
+        scaler.unscale_(opt)
+    with pytest.raises(MissingGradError) as info:
+        scaler.update()
+    text = str(info.value)
+    assert "no parameters" not in text
+    assert re.search(r"2 parameter\(s\).*raised before .*checked", text), text
+    assert "reset_iteration()" in text
 
 
 def test_pickle_mid_iteration_is_refused(setup: tuple) -> None:

@@ -111,6 +111,7 @@ class PhaseTable:
         """The record, after checking that unscaling it (``unscale_``, a clip) is allowed now."""
         _check_optimizer(optimizer, what)
         record = self.get(optimizer)
+        record.optimizer = weakref.ref(optimizer)  # type: ignore[arg-type]
         prefix = "" if what == "unscale_" else f"{what}() unscales the gradients, so: "
         if record.stage is OptState.UNSCALED:
             raise ScalerStateError(
@@ -131,6 +132,7 @@ class PhaseTable:
         """The record, after checking that ``step`` is allowed now."""
         _check_optimizer(optimizer, "step")
         record = self.get(optimizer)
+        record.optimizer = weakref.ref(optimizer)  # type: ignore[arg-type]
         if record.stage is OptState.STEPPED:
             raise ScalerStateError(
                 "step() has already been called on this optimizer since the last update(). "
@@ -220,6 +222,17 @@ class PhaseTable:
                 "No inf checks were recorded prior to update(): no optimizer was unscaled or "
                 "stepped since the last update(). Call scaler.step(optimizer) before "
                 "scaler.update(), and update() once per iteration."
+            )
+        # touched by unscale_/step, which raised before checking anything
+        touched = [r.optimizer for r in records if r.stage is OptState.READY and not r.missing]
+        raised = [o for o in (ref() for ref in touched if ref is not None) if o is not None]
+        if raised:
+            count = sum(len(g["params"]) for o in raised for g in getattr(o, "param_groups", []))
+            raise MissingGradError(
+                "No inf checks were recorded prior to update(): unscale_() or step() was called "
+                f"for {len(raised)} optimizer(s) ({count} parameter(s)) and raised before their "
+                "gradients were checked. Fix what it raised and redo the iteration, or call "
+                "scaler.reset_iteration() to abandon it."
             )
         missing = [ref for r in records for ref in r.missing]
         optimizers = [r.optimizer() for r in records if r.optimizer is not None]
