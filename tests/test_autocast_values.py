@@ -6,6 +6,7 @@ import copy
 import dataclasses
 import pickle
 import random
+from typing import Any
 
 import hypothesis.strategies as st
 import pytest
@@ -214,3 +215,88 @@ def test_a_compute_kind_with_recipes_plugs_into_the_table(monkeypatch: pytest.Mo
     finally:
         rules_mod._parse_word.cache_clear()
         rules_mod._cached_rule.cache_clear()
+
+
+# ------------------------------------------------------------------ the policy language (#23)
+@pytest.mark.parametrize(
+    ("kwargs", "match"),
+    [
+        ({"spec": "lm_head=bf16, lm_head=fp32"}, r"conflicting module rules for 'lm_head'"),
+        (
+            {"spec": "nn.Linear=fp8, torch.nn.Linear=bf16"},
+            r"conflicting module rules for nn\.Linear: nn\.Linear=fp8 and torch\.nn\.Linear=bf16",
+        ),
+        ({"spec": "lm_head=fp32", "modules": {"lm_head": "bf16"}}, "conflicting module rules"),
+        ({"modules": {nn.LayerNorm: "fp32", "nn.LayerNorm": "keep"}}, "conflicting module rules"),
+    ],
+)
+def test_conflicting_module_rules_are_refused_like_op_rules(
+    kwargs: dict[str, Any], match: str
+) -> None:
+    spec = kwargs.pop("spec", None)
+    with pytest.raises(ConfigError, match=match):
+        Policy(spec, **kwargs)
+
+
+def test_repeating_the_same_module_rule_is_one_rule() -> None:
+    assert Policy("lm_head=fp32, lm_head=fp32") == Policy("lm_head=fp32")
+    assert str(Policy("nn.Linear=fp8, torch.nn.Linear=fp8")) == "nn.Linear=fp8"
+
+
+@pytest.mark.parametrize(
+    "modules",
+    [
+        {"blocks.[0,1].fc": "fp32"},
+        {"blocks.[0,1].fc": "fp32", "head.[!2,3]": "bf16@input"},
+        {"a.[,]": "keep", nn.LayerNorm: "fp32"},
+    ],
+)
+def test_globs_with_commas_round_trip_through_the_string_form(modules: dict[Any, str]) -> None:
+    policy = Policy(modules=modules, ops={"F.gelu": "fp32"})
+    assert Policy(str(policy)) == policy
+    assert str(Policy(str(policy))) == str(policy)
+
+
+def test_a_comma_glob_matches_what_fnmatch_matches() -> None:
+    net = nn.Module()
+    net.blocks = nn.ModuleList(nn.Module() for _ in range(3))
+    for block in net.blocks:
+        block.fc = nn.Linear(2, 2)
+    resolved = Policy("blocks.[0,1].fc=fp32").resolve(net)
+    assert resolved == {"blocks.0.fc": Rule("fp32"), "blocks.1.fc": Rule("fp32")}
+
+
+def test_qualified_names_that_start_with_nn_are_module_names() -> None:
+    """torch_geometric's GINConv/NNConv keep their MLP in ``self.nn``."""
+
+    class Conv(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.nn = nn.Sequential(nn.Linear(4, 4), nn.ReLU(), nn.Linear(4, 2))
+
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            return self.nn(x)
+
+    policy = Policy("nn.0=fp32, nn.*=keep")
+    assert policy.resolve(Conv()) == {
+        "nn.0": Rule("fp32"),
+        "nn.1": Rule("keep"),
+        "nn.2": Rule("keep"),
+    }
+    assert Policy(str(policy)) == policy
+    with mixprec.autocast("cpu", BF16, policy="nn.2=fp32"):
+        assert Conv()(torch.randn(3, 4)).dtype == torch.float32
+    assert Policy(modules={"nn.0": "fp32"}) == Policy("nn.0=fp32")
+
+
+def test_a_misspelt_torch_class_is_still_refused() -> None:
+    with pytest.raises(ConfigError, match=r"nn\.LayerNom.*did you mean nn\.LayerNorm"):
+        Policy("nn.LayerNom=fp32")
+
+
+def test_a_module_instance_as_key_says_what_to_write() -> None:
+    model = nn.Sequential(nn.Linear(2, 2))
+    with pytest.raises(
+        ConfigError, match=r"nn\.Module instance \(Linear\).*qualified name.*nn\.Linear"
+    ):
+        Policy(modules={model[0]: "fp32"})

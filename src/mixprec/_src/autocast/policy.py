@@ -47,6 +47,7 @@ def _build_state(
 ) -> dict[str, object]:
     """Validate the rules and derive everything a policy reads (its instance dict)."""
     mods: dict[type[nn.Module] | str, Rule] = {}
+    written: dict[type[nn.Module] | str, str] = {}  # each module target as first written
     oprules: dict[str, OpRule] = {}
     entries: list[tuple[bool, object, RuleLike]] = list(parse_spec(spec or ""))
     entries += [(False, k, v) for k, v in (modules or {}).items()]
@@ -56,7 +57,7 @@ def _build_state(
         if is_op:
             _add_op(oprules, key, rule)
         else:
-            _add_module(mods, key, rule)
+            _add_module(mods, written, key, rule)
     classes = {k: r for k, r in mods.items() if isinstance(k, type)}
     globs = tuple((k, r) for k, r in mods.items() if isinstance(k, str))
     table = {name: op.rule for name, op in oprules.items()}
@@ -314,7 +315,12 @@ def _add_op(table: dict[str, OpRule], key: object, rule: Rule) -> None:
     table[name] = OpRule(name, label, rule)
 
 
-def _add_module(table: dict[type[nn.Module] | str, Rule], key: object, rule: Rule) -> None:
+def _add_module(
+    table: dict[type[nn.Module] | str, Rule],
+    written: dict[type[nn.Module] | str, str],
+    key: object,
+    rule: Rule,
+) -> None:
     target = resolve_module(key)
     if not rule.accepted_for("modules"):
         raise ConfigError(
@@ -322,7 +328,16 @@ def _add_module(table: dict[type[nn.Module] | str, Rule], key: object, rule: Rul
             f"{accepted_compute('modules')}"
         )
     fp8.check_class_rule(target, rule)
+    label = key.strip() if isinstance(key, str) else class_label(target)  # type: ignore[arg-type]
+    old = table.get(target)
+    if old is not None and old != rule:
+        name = class_label(target) if isinstance(target, type) else repr(target)
+        raise ConfigError(
+            f"conflicting module rules for {name}: {written[target]}={old} and {label}={rule} "
+            "(one rule per module class or name glob; remove one of them)"
+        )
     table[target] = rule
+    written.setdefault(target, label)
 
 
 _INTERNED: dict[Policy, Policy] = {}
@@ -353,7 +368,7 @@ def intern_policy(policy: Policy) -> Policy:
 
 @functools.lru_cache(maxsize=64)
 def _policy_of_string(spec: str) -> Policy:
-    return intern_policy(Policy(spec))
+    return Policy(spec)  # interned at each use: the intern table may have dropped it since
 
 
 def coerce_policy(policy: object) -> Policy | None:
@@ -373,7 +388,7 @@ def coerce_policy(policy: object) -> Policy | None:
     if isinstance(policy, Policy):
         return intern_policy(policy)
     if isinstance(policy, str):
-        return _policy_of_string(policy)
+        return intern_policy(_policy_of_string(policy))
     raise ConfigError(
         f"policy must be a mixprec.Policy, a policy string or None, got {type(policy).__name__}"
     )

@@ -78,6 +78,25 @@ def _unknown_op(text: str) -> ConfigError:
     return ConfigError(f"op rule names an unknown op {text!r}{hint}. Accepted: {_OP_FORMS}")
 
 
+def _unknown_class(text: str) -> ConfigError:
+    classes = [n for n in dir(nn) if _is_module_class(getattr(nn, n))]
+    close = difflib.get_close_matches(text.rpartition(".")[2], classes, 3)
+    hint = f"; did you mean {', '.join('nn.' + c for c in close)}?" if close else ""
+    return ConfigError(
+        f"module rule names {text!r}, which is not an nn.Module class in torch.nn{hint} "
+        f"Accepted: {_MODULE_FORMS}. For a submodule named like that, write the name as a glob "
+        f"that is no torch name, e.g. '[{text[0]}]{text[1:]}'"
+    )
+
+
+def _instance_key(key: nn.Module, where: str) -> ConfigError:
+    return ConfigError(
+        f"{where} key {type(key).__name__}(...) is an nn.Module instance ({type(key).__name__}); "
+        "a policy names modules by qualified name, as model.named_modules() lists them "
+        f"(e.g. 'lm_head'), or by class ({class_label(type(key))}), and holds no model"
+    )
+
+
 def _label_of_callable(fn: Callable[..., Any]) -> tuple[str, str]:
     name = getattr(fn, "__name__", None)
     if isinstance(name, str):
@@ -130,18 +149,19 @@ def _resolve_string(text: str) -> tuple[str, object]:
                 f"mixprec can intercept; name the public function instead. Accepted: {_OP_FORMS}"
             )
         return "op", (base, f"aten::{base}")
-    if text.partition(".")[0] not in _ROOTS or "." not in text:
-        return "glob", text
+    root, _, rest = text.partition(".")
+    if root not in _ROOTS or not rest or any(c in text for c in "*?["):
+        return "glob", text  # no torch name has glob characters
     obj = _lookup_dotted(text)
     if _is_module_class(obj):
         return "class", obj
     if callable(obj) and not isinstance(obj, type):
         return "op", _label_of_callable(obj)
+    first = rest.split(".")[0]
+    if obj is None and root == "nn" and not hasattr(nn, first) and not first[:1].isupper():
+        return "glob", text  # a submodule called nn (torch_geometric's GINConv: "nn.0")
     if text.startswith(("nn.", "torch.nn.")) and obj is None:
-        raise ConfigError(
-            f"module rule names {text!r}, which is not an nn.Module class in torch.nn. "
-            f"Accepted: {_MODULE_FORMS}"
-        )
+        raise _unknown_class(text)
     if obj is None:
         raise _unknown_op(text)
     raise ConfigError(
@@ -173,6 +193,8 @@ def resolve_op(key: object) -> tuple[str, str]:
         raise ConfigError(
             f"op rule key {key!r} is a module class; module rules go in modules={{...}}"
         )
+    if isinstance(key, nn.Module):
+        raise _instance_key(key, "op rule")
     if callable(key):
         return _label_of_callable(key)
     raise ConfigError(f"op rule key {key!r} has type {type(key).__name__}. Accepted: {_OP_FORMS}")
@@ -189,6 +211,8 @@ def resolve_module(key: object) -> type[nn.Module] | str:
     """
     if _is_module_class(key):
         return key  # type: ignore[return-value]
+    if isinstance(key, nn.Module):
+        raise _instance_key(key, "module rule")
     if isinstance(key, str) and key.strip():
         kind, value = _resolve_string(key.strip())
         if kind == "op":
@@ -210,7 +234,7 @@ def parse_spec(spec: str) -> tuple[tuple[bool, object, Rule], ...]:
     """Parse ``"nn.LayerNorm=fp32, encoder.*.attn=bf16, F.gelu=low@input"`` into
     ``(is_op, key, rule)`` entries; function names are op rules, classes and globs module rules."""
     entries: list[tuple[bool, object, Rule]] = []
-    for raw in spec.replace(";", ",").replace("\n", ",").split(","):
+    for raw in _entries(spec):
         item = raw.strip()
         if not item:
             continue
@@ -221,9 +245,29 @@ def parse_spec(spec: str) -> tuple[tuple[bool, object, Rule], ...]:
                 f"policy entry {item!r} is not 'target=rule'; example: "
                 "'nn.LayerNorm=fp32, encoder.*.attn=bf16, router=keep, F.gelu=low@input'"
             )
-        kind, value = _resolve_string(target)
-        entries.append((kind == "op", target if kind == "op" else value, Rule(rule_text)))
+        kind, _ = _resolve_string(target)  # refuses a torch name that is neither
+        entries.append((kind == "op", target, Rule(rule_text)))
     return tuple(entries)
+
+
+def _entries(spec: str) -> list[str]:
+    """Split a policy string at commas, semicolons and newlines outside ``[...]`` (a glob's
+    character class, ``blocks.[0,1].fc``, may hold commas)."""
+    parts: list[str] = []
+    current: list[str] = []
+    depth = 0
+    for char in spec:
+        if char == "[":
+            depth += 1
+        elif char == "]" and depth:
+            depth -= 1
+        if char in ",;\n" and not depth:
+            parts.append("".join(current))
+            current = []
+        else:
+            current.append(char)
+    parts.append("".join(current))
+    return parts
 
 
 def class_label(cls: type) -> str:
