@@ -186,8 +186,8 @@ def test_seed_examples_with_real_fp16_on_cpu(
 def test_new_style_without_grad_holds_no_outputs() -> None:
     from mixprec._src.autocast import custom
 
-    custom._flush_pending()
+    custom.bind_pending()
     a = torch.randn(3, 3)
     with mixprec.autocast("cpu", BF16):
         NewStyleAmbient.apply(a, a)
-    assert custom._PENDING == []
+    assert custom.PENDING == []

@@ -3,9 +3,9 @@
 Works with both styles of Function: ``forward(ctx, ...)`` and ``forward(...)`` plus
 ``setup_context(ctx, inputs, output)`` (torch's decorators fail on the latter, pytorch#132388). For
 the ``setup_context`` style the forward's autocast state is bound to the output's ``grad_fn``
-(which is the ``ctx`` that ``backward`` receives) the next time mixprec looks, at the latest when
-``backward`` runs; until then mixprec holds a reference to the outputs of calls whose inputs
-require grad.
+(which is the ``ctx`` that ``backward`` receives) the next time mixprec looks: at the exit of the
+region, or at the next ``custom_fwd``/``custom_bwd`` call outside regions; until then mixprec holds
+a reference to the outputs of calls whose inputs require grad.
 """
 
 from __future__ import annotations
@@ -34,14 +34,23 @@ class _FwdState(NamedTuple):
 
 
 _LOCK = threading.Lock()
-_PENDING: list[tuple[list[torch.Tensor], _FwdState]] = []
+PENDING: list[tuple[list[torch.Tensor], _FwdState]] = []
 _BOUND: weakref.WeakKeyDictionary[Any, _FwdState] = weakref.WeakKeyDictionary()
 
 
-def _flush_pending() -> None:
+def bind_pending() -> None:
+    """Bind the forward state of ``setup_context``-style calls to their outputs' ``grad_fn`` and
+    drop the outputs (at the next custom_fwd/custom_bwd call, and when a region exits).
+
+    Example:
+        >>> bind_pending(); PENDING
+        []
+
+    Host sync: none.
+    """
     with _LOCK:
-        pending = list(_PENDING)
-        _PENDING.clear()
+        pending = list(PENDING)
+        PENDING.clear()
     for outputs, state in pending:
         for t in outputs:
             if t.grad_fn is not None:
@@ -147,7 +156,7 @@ def custom_fwd(
         if has_ctx:
             setattr(args[0], _ATTR, state)
         else:
-            _flush_pending()
+            bind_pending()
         if cast_inputs is not None and enabled:
             inputs, kwargs = cast_tree(inputs, kwargs, dev, cast_inputs)
             out = run_without_autocast(dev, forward, *head, *inputs, **kwargs)
@@ -156,7 +165,7 @@ def custom_fwd(
         if record:
             outs = [t for t in tree_leaves(out) if isinstance(t, torch.Tensor)]
             with _LOCK:
-                _PENDING.append((outs, state))
+                PENDING.append((outs, state))
         return out
 
     return decorate_fwd
@@ -212,7 +221,7 @@ def custom_bwd(
 def _state_of(ctx: Any, device_type: str | torch.device | None) -> _FwdState:
     state = getattr(ctx, _ATTR, None)
     if state is None:
-        _flush_pending()
+        bind_pending()
         state = _BOUND.get(ctx)
     if state is None and hasattr(ctx, "_fwd_used_autocast") and device_type is not None:
         dev = resolve_device_type(device_type)

@@ -13,16 +13,18 @@ recipe registered there is a rule word here at once (``"fp8:<recipe>"``, through
   a class rule that served no module in a whole region (:func:`check_class_reach`, when the
   region exits) are errors, never rules that silently do nothing;
 - **entering and leaving** a module that carries an fp8 rule (:func:`enter_rule`,
-  :func:`exit_rule`), called by the module-rule hooks (:mod:`.modules`) in place of the native
-  state switch the other rules make: the module's own matmuls run on fp8 operands and the
-  region's dtype stays around them.
+  :func:`exit_rule`), called by the module-rule hooks (:mod:`.modules`, which find and keep the
+  served modules) in place of the native state switch the other rules make: the module's own
+  matmuls run on fp8 operands and the region's dtype stays around them.
 """
 
 from __future__ import annotations
 
 import fnmatch
+from collections.abc import Sequence
 from typing import TYPE_CHECKING, Any
 
+import torch
 from torch import nn
 
 from mixprec._src.autocast.rules import Rule
@@ -210,28 +212,20 @@ def check_class_rule(target: type[nn.Module] | str, rule: Rule) -> None:
         )
 
 
-def enter_rule(module: nn.Module, rule: Rule, rec: Any, maps_built: int) -> Any:
-    """Start serving the fp8 rule bound to ``module`` (its record ``rec``); return the token
-    :func:`exit_rule` takes. The served Linears are found once per record and again after the
-    name maps were rebuilt (``maps_built`` changed: modules were added or swapped), so that from
-    the forward after that, new Linear modules under the rule are served too.
+def enter_rule(recipe: str, targets: Sequence[tuple[str, nn.Module]], low: torch.dtype) -> Any:
+    """Start serving an fp8 rule with ``recipe`` (``Rule.recipe``) on ``targets`` (what
+    :func:`fp8_targets` found, as ``(qualified name, Linear)`` pairs), with ``low`` the region's
+    dtype around the matmuls; return the token :func:`exit_rule` takes.
 
     Example:
         >>> import torch
-        >>> from types import SimpleNamespace
         >>> lin = nn.Linear(4, 2)
-        >>> rec = SimpleNamespace(name="", policy=None, low=torch.bfloat16, fp8=None)
-        >>> token = enter_rule(lin, Rule("fp8"), rec, 0)
+        >>> token = enter_rule("rowwise", fp8_targets(lin, "lin", None), torch.bfloat16)
         >>> y = lin(torch.randn(3, 4)); exit_rule(token)
-        >>> [name for name, _ in rec.fp8[1]]
-        ['']
 
     Host sync: none.
     """
-    assert rule.recipe is not None
-    if rec.fp8 is None or rec.fp8[0] != maps_built:
-        rec.fp8 = (maps_built, fp8_targets(module, rec.name or "", rec.policy))
-    return hook.enter_modules(rec.fp8[1], get_recipe(rule.recipe), rec.low)
+    return hook.enter_modules(targets, get_recipe(recipe), low)
 
 
 def exit_rule(token: Any) -> None:

@@ -265,6 +265,81 @@ def native_decision(device: str, dtype: torch.dtype) -> tuple[bool, tuple[Any, .
     return found
 
 
+# ---------------------------------------------------------------- compiled graphs
+# Dynamo does not guard on module hooks (torch._dynamo.config.skip_nnmodule_hook_guards): a graph
+# compiled with no policy region active, so without mixprec's hooks, would be reused inside one,
+# rules ignored. Dynamo does guard on whether autocast is enabled, for every device type, so a
+# region with a policy marks itself there, on a device type no machine runs anymore (Graphcore's
+# IPU: enabling its autocast changes nothing for tensors of other devices): graphs traced outside
+# policy regions and inside them never mix. Which policy a graph was traced for is guarded where
+# rules are looked up (by identity).
+_MARK_DEVICE = "ipu"
+
+
+def mark_policy_region() -> bool:
+    """Mark the thread's autocast state as inside a policy region; return what to restore.
+
+    Example:
+        >>> saved = mark_policy_region(); torch.is_autocast_enabled("ipu")
+        True
+        >>> unmark_policy_region(saved); torch.is_autocast_enabled("ipu")
+        False
+
+    Host sync: none.
+    """
+    saved = torch.is_autocast_enabled(_MARK_DEVICE)
+    torch.set_autocast_enabled(_MARK_DEVICE, True)
+    return saved
+
+
+def unmark_policy_region(saved: bool) -> None:
+    """Undo :func:`mark_policy_region`. Host sync: none."""
+    torch.set_autocast_enabled(_MARK_DEVICE, saved)
+
+
+# ---------------------------------------------------------------- compiled backward
+# AOTAutograd traces a compiled graph's backward under the autocast state of its forward
+# (torch._functorch.config.backward_pass_autocast = "same_as_forward"), as if backward ran inside
+# the region. Rules that turn autocast off in a subtree (fp32, keep, op rules) then get a backward
+# that casts their fp32 gradients to the low dtype, which eager code, whose backward runs after the
+# region, never does. While Dynamo traces a policy region the setting is "off" (eager's meaning),
+# restored when the outermost region exits.
+_BACKWARD_SAVED: list[Any] = []
+
+
+def backward_autocast_off_while_tracing() -> None:
+    """Run by Dynamo at trace time (marked below): compiled backwards of this region's graphs are
+    traced without autocast, as eager backward runs after the region.
+
+    Example:
+        >>> backward_autocast_off_while_tracing(); restore_backward_autocast()
+
+    Host sync: none.
+    """
+    import torch._functorch.config as functorch_config
+
+    if not _BACKWARD_SAVED:
+        _BACKWARD_SAVED.append(functorch_config.backward_pass_autocast)
+        functorch_config.backward_pass_autocast = "off"
+
+
+backward_autocast_off_while_tracing._dynamo_marked_constant = True  # type: ignore[attr-defined]
+
+
+def restore_backward_autocast() -> None:
+    """Undo :func:`backward_autocast_off_while_tracing` (at the outermost region exit).
+
+    Example:
+        >>> restore_backward_autocast()
+
+    Host sync: none.
+    """
+    if _BACKWARD_SAVED:
+        import torch._functorch.config as functorch_config
+
+        functorch_config.backward_pass_autocast = _BACKWARD_SAVED.pop()
+
+
 # ---------------------------------------------------------------- op lists
 _CUDA_LOW = """_convolution.deprecated _convolution conv1d conv2d conv3d conv_tbc conv_transpose1d
 conv_transpose2d.input conv_transpose3d.input convolution prelu addmm addmv addr matmul einsum mm mv

@@ -36,6 +36,7 @@ from mixprec._src.autocast.casting import (
     promote_dtype,
     run_without_autocast,
 )
+from mixprec._src.autocast.native import backward_autocast_off_while_tracing
 from mixprec._src.autocast.rules import Rule
 
 # ---------------------------------------------------------------- checkpoint replay
@@ -136,12 +137,21 @@ def apply_op_rule(
     return out
 
 
+def _traced_under(key: object) -> None:
+    """Run by Dynamo at trace time (marked below), which guards on ``key`` by identity."""
+    backward_autocast_off_while_tracing()
+
+
+_traced_under._dynamo_marked_constant = True  # type: ignore[attr-defined]
+
+
 class OpRuleMode(TorchFunctionMode):
     """Applies a name -> rule table to torch function calls while native autocast is on.
 
     Args:
         table: Python op name (``"softmax"``) -> rule.
         device_type: the region's device type.
+        key: an object compiled graphs are guarded on by identity (the region's policy).
 
     Example:
         >>> import torch
@@ -155,10 +165,11 @@ class OpRuleMode(TorchFunctionMode):
     Host sync: none.
     """
 
-    def __init__(self, table: Mapping[str, Rule], device_type: str) -> None:
+    def __init__(self, table: Mapping[str, Rule], device_type: str, key: object = None) -> None:
         super().__init__()
         self.table = table
         self.device_type = device_type
+        self.key = key  # what compiled graphs depend on: the region's (interned) policy
         # The checkpoint whose forward creates this mode (its recompute creates it again).
         self.home = None if torch.compiler.is_compiling() else current_checkpoint()
 
@@ -170,6 +181,8 @@ class OpRuleMode(TorchFunctionMode):
         kwargs: dict[str, Any] | None = None,
     ) -> Any:
         kwargs = kwargs or {}
+        if torch.compiler.is_compiling():
+            _traced_under(self.key)  # the graph depends on the policy, by identity
         rule = self.table.get(getattr(func, "__name__", ""))
         if rule is None or not torch.is_autocast_enabled(self.device_type):
             return func(*args, **kwargs)

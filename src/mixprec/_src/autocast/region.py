@@ -18,20 +18,26 @@ import torch
 from torch._compile import _disable_dynamo
 
 from mixprec._src.autocast import fp8
+from mixprec._src.autocast.custom import PENDING, bind_pending
 from mixprec._src.autocast.modules import (
     TLS,
     Frame,
     acquire_global_hooks,
     detach_hooks,
+    forget_roots,
+    names_run,
     release_global_hooks,
 )
 from mixprec._src.autocast.native import (
     cache_for,
+    mark_policy_region,
     native_decision,
     pop_state,
     push_state,
     resolve_device_type,
     resolve_region_dtype,
+    restore_backward_autocast,
+    unmark_policy_region,
 )
 from mixprec._src.autocast.ops import OpRuleMode
 from mixprec._src.autocast.policy import Policy, coerce_policy
@@ -76,12 +82,13 @@ class Entered:
     Host sync: none.
     """
 
-    __slots__ = ("frame", "hooks", "mode", "native", "recorder")
+    __slots__ = ("frame", "hooks", "marked", "mode", "native", "recorder")
 
     def __init__(self, native: torch.autocast) -> None:
         self.native = native
         self.frame: Frame | None = None
         self.hooks = False
+        self.marked: bool | None = None  # what mark_policy_region saved
         self.mode: OpRuleMode | None = None
         self.recorder: Any = None  # set when the region records a report
 
@@ -103,17 +110,18 @@ def _enter_policy(
     enabled = bool(entered.native._enabled)
     frame = Frame(device, dtype, enabled, policy)
     frame.stack_len = len(tls.stack)
-    if not tls.frames:
-        tls.root, tls.root_map, tls.roots = None, {}, []  # names: roots run in this region
     tls.frames.append(frame)
+    tls.current = None  # the first module of this frame records its root in it
     entered.frame = frame
+    if policy is not None:
+        entered.marked = mark_policy_region()
     reporting = report is not None
     if (policy is not None and policy.has_module_rules) or reporting:
-        acquire_global_hooks(post=reporting)
+        acquire_global_hooks()
         entered.hooks = True
         tls.reporting += reporting
     if policy is not None and policy.op_rules and enabled:
-        entered.mode = OpRuleMode(policy._op_table, device)
+        entered.mode = OpRuleMode(policy._op_table, device, key=policy)
         entered.mode.__enter__()
     if report is not None:
         entered.recorder = report.record("forward")
@@ -121,11 +129,12 @@ def _enter_policy(
 
 
 def _exit_policy(entered: Entered, own_policy: Policy | None, clean: bool) -> None:
-    """Undo :func:`_enter_policy` (before native exit).
+    """Undo :func:`_enter_policy` (before native exit); the outermost exit also drops the
+    region's references to the models it ran.
 
     Raises:
         ConfigError: ``clean`` (no exception left the region), the region's own policy is
-            strict, and one of its name rules matched no module that ran in the region.
+            strict, and one of its name rules matched no module of the models that ran in it.
 
     Host sync: none.
     """
@@ -140,18 +149,24 @@ def _exit_policy(entered: Entered, own_policy: Policy | None, clean: bool) -> No
             entered.mode.__exit__(None, None, None)
     finally:
         if entered.hooks:
-            release_global_hooks(post=reporting)
+            release_global_hooks()
             tls.reporting -= reporting
+        if entered.marked is not None:
+            unmark_policy_region(entered.marked)
         del tls.frames[tls.frames.index(frame) :]
         del tls.stack[frame.stack_len :]
+        tls.current = None
+        if not tls.frames:
+            forget_roots()
+            restore_backward_autocast()
     policy = frame.policy
     strict = clean and policy is not None and policy is own_policy and policy.strict
-    if strict and policy is not None and policy.name_rules and frame.names_seen:
-        error = policy._unmatched_error(sorted(frame.names_seen), "that ran in the region")
+    if strict and policy is not None and policy.name_rules and frame.roots:
+        error = policy._unmatched_error(names_run(frame), "of the models that ran in the region")
         if error is not None:
             raise error
-    if strict and policy is not None and frame.enabled and frame.names_seen:
-        error = fp8.check_class_reach(policy, [root for root, _ in tls.roots])
+    if strict and policy is not None and frame.enabled and frame.roots:
+        error = fp8.check_class_reach(policy, frame.roots)
         if error is not None:
             raise error
 
@@ -317,6 +332,8 @@ class autocast:
                 f"{self!r} was exited without being entered (or more often than entered); "
                 "use it as `with mixprec.autocast(...):` or pair each __enter__ with one __exit__"
             )
+        if PENDING:  # custom_fwd outputs: bound to their grad_fn now, not kept
+            bind_pending()
         top = self._stack[-1]
         if type(top) is tuple:
             pop_state(self.device, self._stack.pop())

@@ -300,9 +300,7 @@ class Rule:
 
         Host sync: none.
         """
-        if isinstance(self.compute, torch.dtype):
-            return self.compute
-        return {"fp32": torch.float32, "low": low}.get(self.compute)
+        return compute_dtype(self.compute, low)
 
     def output_dtype(self, low: torch.dtype, input_dtype: torch.dtype | None) -> torch.dtype | None:
         """The dtype the result is cast to (None: no cast).
@@ -314,9 +312,40 @@ class Rule:
 
         Host sync: none.
         """
-        if self.output is None or isinstance(self.output, torch.dtype):
-            return self.output
-        return low if self.output == "low" else input_dtype
+        return output_dtype(self.output, low, input_dtype)
+
+
+def compute_dtype(compute: str | torch.dtype, low: torch.dtype) -> torch.dtype | None:
+    """:meth:`Rule.compute_dtype` of a rule's ``compute`` part (plain values, so traced code can
+    use it on what a compiled graph keeps of a rule).
+
+    Example:
+        >>> compute_dtype("fp32", torch.bfloat16), compute_dtype("keep", torch.bfloat16)
+        (torch.float32, None)
+
+    Host sync: none.
+    """
+    if isinstance(compute, torch.dtype):
+        return compute
+    if compute == "fp32":
+        return torch.float32
+    return low if compute == "low" else None
+
+
+def output_dtype(
+    output: str | torch.dtype | None, low: torch.dtype, input_dtype: torch.dtype | None
+) -> torch.dtype | None:
+    """:meth:`Rule.output_dtype` of a rule's ``output`` part (plain values, as above).
+
+    Example:
+        >>> output_dtype("input", torch.bfloat16, torch.float16)
+        torch.float16
+
+    Host sync: none.
+    """
+    if output is None or isinstance(output, torch.dtype):
+        return output
+    return low if output == "low" else input_dtype
 
 
 @functools.lru_cache(maxsize=256)
