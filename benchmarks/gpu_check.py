@@ -194,7 +194,6 @@ def sync_table() -> tuple[list[str], bool]:
 def host_path_check(device: torch.device) -> tuple[str, bool]:
     """The scaler takes the device path here (the host does not own the scale)."""
     from mixprec._src.devices import caps
-    from mixprec._src.scaling.engine import engine_of
 
     scaler = mixprec.GradScaler(device.type)
     model = torch.nn.Linear(4, 1).to(device)
@@ -203,7 +202,7 @@ def host_path_check(device: torch.device) -> tuple[str, bool]:
         scaler.scale(model(torch.ones(2, 4, device=device)).sum()).backward()
         scaler.step(opt)
         scaler.update()
-    pending = engine_of(scaler).state.read_pending
+    pending = scaler._state.read_pending
     on_device = not caps(device).host_memory
     ok = pending == on_device
     text = (

@@ -4,7 +4,7 @@ On the CPU the scaler keeps its values on the host and writes the scale tensor w
 changes it (``DeviceCaps.host_memory``); on CUDA it runs the rule on the device and the host
 derives the values when it reads them. :func:`device_path` makes the CPU take CUDA's branches:
 its row of the device table (``mixprec._src.devices``) gets CUDA's scaler and kernel columns, and
-the host path's rule is made to fail loudly, so a test that runs under it exercises exactly what a
+the host path is made to fail loudly, so a test that runs under it exercises exactly what a
 CUDA user runs (the same kernels, since the CPU has torch's AMP kernels as CUDA does).
 """
 
@@ -30,8 +30,15 @@ SCALER_COLUMNS = (
 )
 
 
-def _host_rule_refused(self: state.ScaleState, *args: Any, **kwargs: Any) -> Any:
-    raise AssertionError("the host rule ran on the device path (host_memory should be False)")
+def _device_path_only(advance: Any) -> Any:
+    def checked(self: state.ScaleState, *args: Any, **kwargs: Any) -> Any:
+        if self._log is None:  # the host path would run: the test would not test the device path
+            raise AssertionError(
+                "the host path ran on the device path (host_memory should be False)"
+            )
+        return advance(self, *args, **kwargs)
+
+    return checked
 
 
 @contextmanager
@@ -39,11 +46,11 @@ def device_path() -> Iterator[None]:
     """Inside the block, scalers created on the CPU take the path a CUDA user takes."""
     cpu, cuda = devices._TABLE["cpu"], devices._TABLE["cuda"]
     like_cuda = dataclasses.replace(cpu, **{c: getattr(cuda, c) for c in SCALER_COLUMNS})
-    saved = state.ScaleState._advance_host
+    saved = state.ScaleState.advance
     devices._TABLE["cpu"] = like_cuda
-    state.ScaleState._advance_host = _host_rule_refused  # type: ignore[method-assign]
+    state.ScaleState.advance = _device_path_only(saved)  # type: ignore[method-assign]
     try:
         yield
     finally:
         devices._TABLE["cpu"] = cpu
-        state.ScaleState._advance_host = saved  # type: ignore[method-assign]
+        state.ScaleState.advance = saved  # type: ignore[method-assign]

@@ -12,9 +12,8 @@ import pytest
 import torch
 
 import mixprec
-from mixprec._src.kernels import flat as flat_module
-from mixprec._src.kernels.flat import flat_view, flat_views
-from mixprec._src.kernels.plan import plan_grads
+from mixprec._src.kernels import plan as plan_module
+from mixprec._src.kernels.plan import flat_view, flat_views, plan_grads
 
 CPU32 = (torch.device("cpu"), torch.float32)
 
@@ -125,7 +124,7 @@ def test_flat_unscale_is_bit_identical_and_finds_inf():
 @pytest.mark.parametrize("sequential_max", [1 << 22, 1000])
 def test_large_flat_ranges_in_pieces_or_whole(monkeypatch, sequential_max):
     """CPU ranges up to SEQUENTIAL_MAX_NUMEL go to the kernels in 32768-element pieces."""
-    monkeypatch.setattr(flat_module, "SEQUENTIAL_MAX_NUMEL", sequential_max)
+    monkeypatch.setattr(plan_module, "SEQUENTIAL_MAX_NUMEL", sequential_max)
     torch.manual_seed(1)
     ref = params_with([torch.randn(40_000) * 64.0, torch.randn(30_000) * 64.0])
     mine = params_with([p.grad.clone() for p in ref])

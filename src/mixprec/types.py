@@ -22,9 +22,8 @@ from mixprec._src.autocast.policy import PolicyTable, PolicyTableRow
 from mixprec._src.autocast.report import DtypeReport, ReportRow
 from mixprec._src.fp8.stats import Fp8CastStats, Fp8ModuleStats
 from mixprec._src.kernels.flat import FlatGrads
-from mixprec._src.scaling.diagnostics import Diagnosis
 from mixprec._src.scaling.phases import OptState
-from mixprec._src.scaling.telemetry import HistoryEntry, ScalerStats, UpdateEvent
+from mixprec._src.scaling.telemetry import Diagnosis, HistoryEntry, ScalerStats, UpdateEvent
 
 __all__ = [
     "Advice",

@@ -36,19 +36,12 @@ from typing import Any
 import torch
 from torch.utils.hooks import RemovableHandle
 
-from mixprec._src.optim import split_closure
+from mixprec._src.optim import MASTERS, masters_of, split_closure
 from mixprec.errors import ConfigError
 
 _Optimizer = torch.optim.Optimizer
 _STATE_KEY = "mixprec_master_weights"
 _LOW_PRECISION = (torch.float16, torch.bfloat16)
-_ATTRIBUTE = "_mixprec_master_weights"
-
-
-def masters_of(optimizer: Any) -> MasterWeights | None:
-    """The :class:`MasterWeights` that converted ``optimizer``, or None. Host sync: none."""
-    found = getattr(optimizer, _ATTRIBUTE, None)
-    return found if isinstance(found, MasterWeights) else None
 
 
 class MasterWeights:
@@ -107,7 +100,7 @@ class MasterWeights:
         optimizer.register_step_post_hook(self._after_step)
         optimizer.register_state_dict_post_hook(self._add_to_state_dict)
         optimizer.register_load_state_dict_pre_hook(self._take_from_state_dict)
-        setattr(optimizer, _ATTRIBUTE, self)
+        setattr(optimizer, MASTERS, self)
         # with a closure (LBFGS, SAM) the masters move mid-step: refresh before each evaluation.
         # Bound methods, as LR schedulers expect (they re-bind ``optimizer.step.__func__``).
         optimizer._mixprec_inner_step = optimizer.step  # type: ignore[attr-defined]

@@ -1,10 +1,13 @@
 """Facts about a torch optimizer that several parts of mixprec need.
 
 * how ``step`` was given a closure, and how to hand it a replacement (:class:`ClosureCall`);
-* whether ``step`` takes ``grad_scaler=`` (torch's legacy fused contract);
+* how a fused optimizer is handed ``grad_scale``/``found_inf`` (:func:`fused_step`), and whether
+  ``step`` takes ``grad_scaler=`` instead (torch's legacy fused contract, :func:`legacy_step`);
 * whether a fused optimizer's state exists yet, so that a skipped first step cannot leave it
   half-created (:func:`needs_first_step_read`), remembered on the optimizer so that an iteration
-  needs no host read once it does.
+  needs no host read once it does;
+* which :class:`~mixprec.MasterWeights` converted it (:func:`masters_of`), so that the closure code
+  and the master weights meet here without importing each other.
 
 Nothing here knows about the scaler.
 """
@@ -12,6 +15,7 @@ Nothing here knows about the scaler.
 from __future__ import annotations
 
 import inspect
+import warnings
 import weakref
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -24,6 +28,8 @@ _Optimizer = torch.optim.Optimizer
 _TAKES_GRAD_SCALER: weakref.WeakKeyDictionary[Any, bool] = weakref.WeakKeyDictionary()
 # Set on an optimizer after a fused step that ran: the shape of its state then.
 _SEEN = "_mixprec_state_seen"
+#: The attribute of an optimizer converted by MasterWeights that holds the converter.
+MASTERS = "_mixprec_master_weights"
 
 
 @dataclass(frozen=True)
@@ -84,6 +90,42 @@ def takes_grad_scaler(optimizer: _Optimizer) -> bool:
     return known
 
 
+def fused_step(
+    optimizer: _Optimizer, grad_scale: Any, found_inf: torch.Tensor, args: tuple, kwargs: dict
+) -> Any:
+    """``optimizer.step(*args, **kwargs)`` with ``grad_scale``/``found_inf`` set on it for the
+    step (torch's contract for ``_step_supports_amp_scaling`` optimizers), then remembered as a
+    real step (:func:`needs_first_step_read`).
+
+    Host sync: whatever the optimizer does.
+    """
+    optimizer.grad_scale, optimizer.found_inf = grad_scale, found_inf  # type: ignore[attr-defined]
+    try:
+        result = optimizer.step(*args, **kwargs)
+    finally:
+        del optimizer.grad_scale, optimizer.found_inf  # type: ignore[attr-defined]
+    shape = _state_shape(optimizer)
+    if getattr(optimizer, _SEEN, None) != shape:
+        setattr(optimizer, _SEEN, shape)
+    return result
+
+
+def legacy_step(optimizer: _Optimizer, scaler: Any, args: tuple, kwargs: dict) -> Any:
+    """``optimizer.step(..., grad_scaler=scaler)``, torch's legacy fused contract (the optimizer
+    calls ``scaler._check_inf_per_device(self)`` and unscales itself), with torch's warning.
+
+    Host sync: whatever the optimizer does.
+    """
+    warnings.warn(
+        "GradScaler is going to stop passing itself as a keyword argument to the passed "
+        "optimizer. In the near future GradScaler registers `grad_scale: Tensor` and "
+        "`found_inf: Tensor` to the passed optimizer and let the optimizer use them directly.",
+        FutureWarning,
+        stacklevel=3,
+    )
+    return optimizer.step(*args, **{**kwargs, "grad_scaler": scaler})
+
+
 def _state_shape(optimizer: _Optimizer) -> tuple[int, ...]:
     """Parameters per group and the number of state entries: changes when either does."""
     return (*(len(group["params"]) for group in optimizer.param_groups), len(optimizer.state))
@@ -108,11 +150,9 @@ def needs_first_step_read(optimizer: _Optimizer) -> bool:
     return False
 
 
-def mark_stepped(optimizer: _Optimizer) -> None:
-    """Remember that ``optimizer`` took a real fused step with its current parameters.
+def masters_of(optimizer: Any) -> Any:
+    """The :class:`~mixprec.MasterWeights` that converted ``optimizer``, or None.
 
     Host sync: none.
     """
-    shape = _state_shape(optimizer)
-    if getattr(optimizer, _SEEN, None) != shape:
-        setattr(optimizer, _SEEN, shape)
+    return getattr(optimizer, MASTERS, None)

@@ -3,8 +3,8 @@
 :class:`DistState` is what a GradScaler calls (not public): it turns DTensor grads into local
 shards, finds the group their ranks agree over, issues the one all-reduce per optimizer per
 iteration (:func:`~mixprec._src.dist.agree.agree_found_inf_` or, for a clip,
-:func:`~mixprec._src.dist.norms.all_reduce_norm_`) and remembers them for ``Join``'s shadow
-iterations.
+:func:`~mixprec._src.dist.norms.all_reduce_norm_`) and replays them in ``Join``'s shadow
+iterations (:meth:`DistState.shadow_flags`).
 """
 
 from __future__ import annotations
@@ -197,6 +197,22 @@ class DistState:
             Join.notify_join_context(self.joinable)
         self.issued.append(kind)
         self.total_collectives += 1
+
+    def shadow_flags(self, group: Any, device: torch.device) -> list[torch.Tensor]:
+        """A joined rank's stand-in for the last real iteration's all-reduces, each with 0
+        (``torch.distributed.algorithms.Join``): one agreed flag per all-reduce (a clip's is the
+        non-finiteness of the global norm). Host sync: as :func:`agree_found_inf_`."""
+        kinds = self.last_issued or [0.0]
+        flags = []
+        for kind in kinds:
+            zero = torch.zeros((), device=device)
+            if kind == 0.0:  # a found-inf agreement
+                flags.append(agree_found_inf_(zero, group))
+            else:  # a clipping's norm
+                total = all_reduce_norm_(zero, kind, group)
+                flags.append(torch.logical_not(torch.isfinite(total)).to(torch.float32))
+        self.issued = list(kinds)
+        return flags
 
     def end_iteration(self) -> None:
         """Called by ``update()``: remember this iteration's all-reduces.

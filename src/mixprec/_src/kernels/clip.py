@@ -14,7 +14,8 @@ are bit-identical to torch's sequence; otherwise they agree to float32 rounding.
 a value on the host except ``error_if_nonfinite=True``.
 
 A third way (``defer=True``) only measures: the caller folds the clip coefficient into a fused
-optimizer's ``grad_scale``, so the grads are read once for the norm and once by the optimizer.
+optimizer's ``grad_scale``, so the grads are read once for the norm and once by the optimizer, or
+(a non-fused step) multiplies by ``coefficient / scale`` with the unscale kernel.
 
 Implementation choice per device type (measured with ``benchmarks/run.py``, CPU, 2 threads; the
 device types are columns of :mod:`mixprec._src.devices`):
@@ -39,14 +40,14 @@ device types are columns of :mod:`mixprec._src.devices`):
 from __future__ import annotations
 
 import math
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 from typing import NamedTuple
 
 import torch
 
 from mixprec._src.devices import caps
-from mixprec._src.kernels.plan import GradPlan, GroupKey
-from mixprec._src.kernels.unscale import found_inf_on, unscale_grads_
+from mixprec._src.kernels.plan import GradPlan, GroupKey, group_grads
+from mixprec._src.kernels.unscale import found_inf_on
 from mixprec.errors import ConfigError, NonFiniteNormError
 
 _BIG = 32768  # elements per tensor above which one clamp_ pass beats two foreach passes (CPU)
@@ -80,6 +81,44 @@ def validate_plan(plan: GradPlan, what: str) -> None:
             "scaler.unscale_(optimizer) and clip the dense gradients yourself, or build the "
             "embedding with sparse=False."
         )
+
+
+def validated_limit(value: float, name: str) -> float:
+    """``value`` as a float >= 0 (inf allowed).
+
+    Raises:
+        ConfigError: not a number, NaN or negative.
+    """
+    try:
+        limit = float(value)
+    except (TypeError, ValueError, OverflowError):
+        limit = math.nan
+    if not limit >= 0:
+        raise ConfigError(f"{name} must be a number >= 0 (inf allowed), got {value!r}.")
+    return limit
+
+
+def grouped_like(
+    parameters: Iterable[torch.Tensor] | torch.Tensor, grads: Iterable[torch.Tensor]
+) -> dict[GroupKey, list[torch.Tensor]]:
+    """The grads of ``parameters`` grouped and ordered as ``torch.nn.utils.clip_grad_norm_``
+    groups them, after checking that they are exactly ``grads`` (the optimizer's).
+
+    Raises:
+        ConfigError: some grads are not the optimizer's, or some of the optimizer's are missing.
+    """
+    listed = group_grads([parameters] if isinstance(parameters, torch.Tensor) else parameters)
+    ours = {id(g) for g in grads}
+    theirs = {id(g) for group in listed.values() for g in group}
+    if ours != theirs:
+        raise ConfigError(
+            "clip_grad_norm_(..., parameters=...) must list exactly the parameters whose "
+            f"gradients the optimizer holds ({len(ours)} with a grad); of the {len(theirs)} "
+            f"gradients given, {len(theirs - ours)} are not the optimizer's, and "
+            f"{len(ours - theirs)} of the optimizer's are missing. Pass the parameters the "
+            "optimizer was built from (e.g. model.parameters()), or leave parameters out."
+        )
+    return listed
 
 
 class Clip(NamedTuple):
@@ -208,39 +247,11 @@ def _multiply_(
     torch.maximum(found, non_finite.to(device), out=found)
 
 
-def multiply_(
-    plan: GradPlan,
-    factor: torch.Tensor,
-    found_inf_per_device: dict[torch.device, torch.Tensor],
-) -> None:
-    """Multiply every grad of ``plan`` by the 0-d ``factor`` in place (a deferred clip).
-
-    The flags were already set when the norm was measured; this only adds what the multiply
-    finds (nothing new on the fused-kernel path).
+def clamp_(plan: GradPlan, clip_value: float) -> None:
+    """Clamp the (unscaled) grads of ``plan`` to ``[-clip_value, clip_value]`` in place.
 
     Host sync: none.
     """
-    zero = torch.zeros((), dtype=torch.float32, device=factor.device)
-    with torch.no_grad():
-        for key, grads in plan.kernel_groups().items():
-            _multiply_(key, grads, factor, zero, found_inf_per_device, check_output=False)
-
-
-def clip_grad_value_(
-    plan: GradPlan,
-    inv_scale: torch.Tensor,
-    found_inf_per_device: dict[torch.device, torch.Tensor],
-    clip_value: float,
-    *,
-    check_output: bool,
-) -> None:
-    """Unscale and check the grads of ``plan`` in place, then clamp them to ``[-v, v]``.
-
-    The overflow flags are taken before clamping (a clamp would turn inf into ``v``).
-
-    Host sync: none.
-    """
-    unscale_grads_(plan, inv_scale, found_inf_per_device, check_output=check_output)
     value = float(clip_value)
     with torch.no_grad():
         for (device, _dtype), grads in plan.kernel_groups().items():

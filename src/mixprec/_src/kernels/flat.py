@@ -1,106 +1,18 @@
-"""Flat gradient storage: detect grads that tile contiguous ranges, and lay grads out that way.
+"""Flat gradient storage: lay grads out as views into one buffer per (device, dtype).
 
-When every grad of a (device, dtype) group is a contiguous view of a base tensor and the views of
-each base tile one contiguous range of it with no gap and no overlap (DDP with
-``gradient_as_bucket_view=True``: one range per bucket; :func:`flatten_grads`: one range), the
-passes over the grads (unscale, check, norm, clip) run on those ranges instead of on each
-parameter: one kernel call over a few large tensors instead of one per parameter.
-Anything else (gaps, overlaps, foreign tensors, subclasses) keeps the per-tensor path, so no byte
-that is not a gradient is ever read or written.
+:func:`flatten_grads` gives parameters such grads, so that the passes over them (unscale, check,
+norm, clip) run on one range per buffer instead of one kernel per parameter; the plan finds such
+ranges (:func:`mixprec._src.kernels.plan.flat_views`, which also recognises DDP's bucket views).
 """
 
 from __future__ import annotations
 
-import itertools
 from collections.abc import Iterable, Sequence
 from typing import Any
 
 import torch
 
-from mixprec._src.devices import caps
 from mixprec.errors import ConfigError
-
-# On the CPU a range of at most this many elements is handed to the kernels as pieces of
-# _PIECE elements, which torch runs on the calling thread (TensorIterator opens a parallel region
-# only above 32768 elements). Measured on the 2-core test machine, 2M fp32 elements unscale+check:
-# one parallel op 0.12 ms when the machine is idle but ~26 ms (median) when other processes keep
-# the cores busy (the op waits for its second thread to be scheduled), against 0.3-0.7 ms for the
-# pieces in both cases. Above 4M elements one thread is too slow to give up the parallel region.
-SEQUENTIAL_MAX_NUMEL = 1 << 22
-_PIECE = 32768
-
-
-def flat_views(grads: Sequence[torch.Tensor]) -> list[torch.Tensor] | None:
-    """1-D views covering exactly the elements of ``grads``, one per base tensor; else None.
-
-    Requirements: plain dense tensors of one device and dtype, contiguous, each a view of some
-    base tensor; the grads of each base tile one contiguous range of it (sorted by address, each
-    starts where the previous one ends: no gap, no overlap); and the ranges of different bases do
-    not overlap (two bases may share memory, e.g. one made by ``detach()``). DDP with
-    ``gradient_as_bucket_view=True`` gives one range per bucket; :func:`flatten_grads` one per
-    (device, dtype).
-
-    Host sync: none (addresses and sizes are metadata).
-    """
-    if not grads:
-        return None
-    by_base: dict[int, list[torch.Tensor]] = {}
-    for grad in grads:
-        base = grad._base
-        if base is None:  # autograd's own grads own their storage: rejected at the first one
-            return None
-        if type(grad) is not torch.Tensor or grad.is_complex() or not grad.is_contiguous():
-            return None
-        by_base.setdefault(id(base), []).append(grad)
-    views = []
-    for group in by_base.values():
-        view = _tile(group)
-        if view is None:
-            return None
-        if view.numel():
-            views.append(view)
-    return views if _disjoint(views) else None
-
-
-def flat_view(grads: Sequence[torch.Tensor]) -> torch.Tensor | None:
-    """The single 1-D view covering exactly ``grads``, or None (see :func:`flat_views`).
-
-    Host sync: none.
-    """
-    views = flat_views(grads)
-    return views[0] if views is not None and len(views) == 1 else None
-
-
-def _tile(group: list[torch.Tensor]) -> torch.Tensor | None:
-    """The range that the grads of one base tile, or None; an empty view when all are empty."""
-    spans = sorted(((g.data_ptr(), g.numel(), i) for i, g in enumerate(group) if g.numel()))
-    if not spans:
-        return group[0].reshape(-1)
-    size = group[0].element_size()
-    start, total, index = spans[0]
-    for ptr, numel, _index in spans[1:]:
-        if ptr != start + total * size:  # a gap (foreign bytes) or an overlap
-            return None
-        total += numel
-    first = group[index]
-    return first.as_strided((total,), (1,), first.storage_offset())
-
-
-def _disjoint(views: list[torch.Tensor]) -> bool:
-    ranges = sorted((v.data_ptr(), v.data_ptr() + v.numel() * v.element_size()) for v in views)
-    return all(end <= nxt for (_, end), (nxt, _) in itertools.pairwise(ranges))
-
-
-def kernel_pieces(views: list[torch.Tensor]) -> list[torch.Tensor]:
-    """``views`` as the kernels should get them (see ``SEQUENTIAL_MAX_NUMEL``).
-
-    Host sync: none.
-    """
-    if not views or not caps(views[0].device).sequential_pieces:
-        return views
-    if sum(v.numel() for v in views) > SEQUENTIAL_MAX_NUMEL:
-        return views
-    return [piece for v in views for piece in v.split(_PIECE)]
 
 
 class FlatGrads:

@@ -1,14 +1,13 @@
 """``scaler.step(optimizer, closure)``: optimizers that evaluate the loss several times per step.
 
-Uses only the scaler's internal interface (:class:`~mixprec._src.scaling.engine.Engine`).
-
 LBFGS calls its closure up to ``max_eval`` times per step, SAM-style optimizers twice. Each
 evaluation runs ``scaler.scale(loss).backward()`` and so leaves *scaled* gradients; the optimizer
 must only ever see unscaled ones. :func:`step_with_closure` therefore hands the optimizer a closure
 that wraps the user's: it runs the user's closure, unscales and checks that evaluation's gradients,
 reads the overflow flag (one host sync) and returns the unscaled loss. On the first overflowing
 evaluation it aborts the optimizer's step and restores the parameters and the optimizer's state
-from a snapshot taken just before the step, so a skipped step changes nothing.
+from a snapshot taken just before the step, so a skipped step changes nothing. The scaler's side
+is the small interface :class:`Stepper`, which :class:`~mixprec.GradScaler` implements.
 
 Memory: the snapshot is one copy of every parameter of the optimizer plus one deep copy of its
 state (and of the state of any optimizer it wraps, such as SAM's ``base_optimizer``): for Adam
@@ -19,16 +18,27 @@ from __future__ import annotations
 
 import copy
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, Protocol
 
 import torch
 
-from mixprec._src.master import masters_of
-from mixprec._src.optim import ClosureCall
-from mixprec._src.scaling.engine import Engine
-from mixprec._src.scaling.phases import OptimizerRecord, OptState
+from mixprec._src.optim import ClosureCall, masters_of
+from mixprec._src.scaling.phases import OptimizerRecord, OptState, PhaseTable
 
 _Optimizer = torch.optim.Optimizer
+
+
+class Stepper(Protocol):
+    """What a closure step asks of the scaler."""
+
+    def _evaluated(self, optimizer: _Optimizer, record: OptimizerRecord) -> bool:
+        """Unscale (unless done) and check the grads; whether they overflowed (one host sync)."""
+
+    def _unscaled(self, loss: torch.Tensor) -> torch.Tensor:
+        """``loss`` divided by the scale."""
+
+    def _stepped(self, optimizer: _Optimizer, record: OptimizerRecord, skipped: bool) -> None:
+        """The step ended, taken or skipped."""
 
 
 def _optimizers_within(optimizer: _Optimizer) -> list[_Optimizer]:
@@ -52,7 +62,7 @@ class Snapshot:
     @classmethod
     def take(cls, optimizer: _Optimizer) -> Snapshot:
         """Copy everything ``optimizer.step`` may change. Host sync: none."""
-        snap = cls(masters=masters_of(optimizer))
+        snap = cls()
         seen: set[int] = set()
         for opt in _optimizers_within(optimizer):
             memo: dict[int, Any] = {}
@@ -66,6 +76,7 @@ class Snapshot:
                 snap.groups.append((group, copy.deepcopy(rest, memo)))
             state = {p: copy.deepcopy(s, memo) for p, s in opt.state.items()}
             snap.states.append((opt, state))
+        snap.masters = masters_of(optimizer)
         return snap
 
     def restore(self) -> None:
@@ -93,9 +104,15 @@ class _Evaluation:
     """The closure the optimizer sees: the user's closure, then unscale, check, unscale loss."""
 
     def __init__(
-        self, engine: Engine, optimizer: _Optimizer, record: OptimizerRecord, call: ClosureCall
+        self,
+        scaler: Stepper,
+        phases: PhaseTable,
+        optimizer: _Optimizer,
+        record: OptimizerRecord,
+        call: ClosureCall,
     ) -> None:
-        self.engine = engine
+        self.scaler = scaler
+        self.phases = phases
         self.optimizer = optimizer
         self.record = record
         self.closure = call.closure
@@ -103,25 +120,27 @@ class _Evaluation:
         self.overflowed = False
 
     def __call__(self) -> Any:
-        engine, optimizer, record = self.engine, self.optimizer, self.record
-        engine.phases.reopen(record)  # the user's closure may call unscale_ itself (to clip)
-        with engine.recording() as scaled:
+        self.phases.reopen(self.record)  # the user's closure may call unscale_ itself (to clip)
+        with self.phases.recording() as scaled:
             loss = self.closure()
         if not scaled:  # its gradients are unscaled already: unscaling them again is wrong
-            engine.phases.refuse_unscaled_closure()
-        if record.stage is OptState.READY:
-            engine.unscale(optimizer, record)
-        engine.apply_deferred(optimizer, record)
+            self.phases.refuse_unscaled_closure()
         self.count += 1
-        if engine.overflowed(record, optimizer):
+        if self.scaler._evaluated(self.optimizer, self.record):
             self.overflowed = True
             raise _Overflow
         if isinstance(loss, torch.Tensor) and any(loss is s for s in scaled):
-            return engine.unscale_loss(loss)
+            return self.scaler._unscaled(loss)
         return loss
 
 
-def step_with_closure(engine: Engine, optimizer: _Optimizer, call: ClosureCall) -> Any:
+def step_with_closure(
+    scaler: Stepper,
+    phases: PhaseTable,
+    optimizer: _Optimizer,
+    record: OptimizerRecord,
+    call: ClosureCall,
+) -> Any:
     """Step ``optimizer`` with a closure whose every evaluation is unscaled and checked.
 
     If the record is already UNSCALED (the user ran a first pass and called ``unscale_``, as
@@ -131,26 +150,22 @@ def step_with_closure(engine: Engine, optimizer: _Optimizer, call: ClosureCall) 
 
     Host sync: one per closure evaluation (plus one when the record was already unscaled).
     """
-    record = engine.phases.begin_step(optimizer)
-    if record.stage is OptState.UNSCALED and engine.overflowed(record, optimizer):
-        engine.finish_step(optimizer, record, skipped=True)
+    if record.stage is OptState.UNSCALED and scaler._evaluated(optimizer, record):
+        scaler._stepped(optimizer, record, skipped=True)
         return None
+    evaluation = _Evaluation(scaler, phases, optimizer, record, call)
     snapshot = Snapshot.take(optimizer)
-    evaluation = _Evaluation(engine, optimizer, record, call)
     try:
         result = call.invoke(optimizer, evaluation)
     except _Overflow:
         result = None
     except BaseException:
+        phases.reopen(record)
         snapshot.restore()
-        engine.phases.reopen(record)
         raise
-    if evaluation.overflowed:
+    if evaluation.overflowed or evaluation.count == 0:
         snapshot.restore()
-        engine.finish_step(optimizer, record, skipped=True)
-        return None
     if evaluation.count == 0:
-        snapshot.restore()
-        engine.phases.refuse_ignored_closure(optimizer)
-    engine.finish_step(optimizer, record, skipped=False)
-    return result
+        phases.refuse_ignored_closure(optimizer)
+    scaler._stepped(optimizer, record, skipped=evaluation.overflowed)
+    return None if evaluation.overflowed else result

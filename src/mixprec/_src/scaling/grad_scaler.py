@@ -1,37 +1,40 @@
-"""GradScaler: one class composed of the parts it owns; it sequences the iteration.
-
-The parts (``docs/internals.md`` draws them): the frozen settings (:mod:`.args`), where the scale
-is (:mod:`.state`), where a phase changes (:mod:`.phases`), telemetry (:mod:`.telemetry`) and
-distributed agreement (:mod:`mixprec._src.dist`). :mod:`.engine` runs the passes over gradients
-on them and is the internal interface of closures (:mod:`.closure`) and ``JoinableScaler``
-(:mod:`.join`). Three groups of methods are defined in their own modules and bound into the
-class by name (no inheritance): clipping (:mod:`.clipping`), the signals users read
-(:mod:`.signals`) and torch's private API (:mod:`.compat`); they too use only the engine.
-"""
+"""GradScaler: one class composed of the parts it owns (``docs/internals.md`` draws them): the
+settings (:mod:`.config`), where the scale is (:mod:`.state`), where a phase changes
+(:mod:`.phases`), telemetry (:mod:`.telemetry`), distributed agreement (:mod:`mixprec._src.dist`).
+Closures (:mod:`.closure`) and ``JoinableScaler`` (:mod:`.join`) use the private methods at the
+end of the class only."""
 
 from __future__ import annotations
 
+import functools
 import warnings
-from collections.abc import Mapping
+from collections.abc import Callable, Iterable, Mapping
 from typing import Any
 
 import torch
+from torch.utils.hooks import RemovableHandle
 
 from mixprec._src import optim
 from mixprec._src.dist.agree import validate_group
 from mixprec._src.dist.state import DistState
-from mixprec._src.scaling import clipping, compat, signals
-from mixprec._src.scaling.args import SIGNATURE, Settings, settings_from
+from mixprec._src.kernels import clip
+from mixprec._src.kernels.plan import GradPlan, plan_grads
+from mixprec._src.kernels.unscale import check_finite_, unscale_grads_
+from mixprec._src.scaling import telemetry
 from mixprec._src.scaling.checkpoint import export_state, parse_state_dict
 from mixprec._src.scaling.closure import step_with_closure
-from mixprec._src.scaling.config import ScalerConfig, validated_new_scale
-from mixprec._src.scaling.engine import Engine, sum_on
+from mixprec._src.scaling.config import (
+    SIGNATURE,
+    ScalerConfig,
+    Settings,
+    settings_from,
+    validated_new_scale,
+)
 from mixprec._src.scaling.nested import scale_nested
-from mixprec._src.scaling.phases import PhaseTable
+from mixprec._src.scaling.phases import OptimizerRecord, OptState, PhaseTable, low_precision_message
 from mixprec._src.scaling.rule import Values
 from mixprec._src.scaling.state import ScaleState
-from mixprec._src.scaling.telemetry import Telemetry
-from mixprec.errors import MixprecWarning
+from mixprec.errors import LowPrecisionGradError, MixprecWarning
 
 _Optimizer = torch.optim.Optimizer
 
@@ -40,11 +43,10 @@ class GradScaler:
     """Dynamic loss scaling, a drop-in for ``torch.amp.GradScaler`` on every device.
 
     Both call forms work: torch 2's ``GradScaler("cuda", init_scale, growth_factor,
-    backoff_factor, growth_interval, enabled)`` and torch.cuda.amp 1.5's
-    ``GradScaler(init_scale, growth_factor, backoff_factor, growth_interval, enabled)``. The scale
-    lives on the device of the first tensor passed to :meth:`scale`, whatever ``device`` says, so
-    a scaler never disables itself. With default settings the scale trajectory, the skipped
-    steps and the parameters are bit-identical to torch's.
+    backoff_factor, growth_interval, enabled)`` and torch.cuda.amp 1.5's (without ``device``).
+    The scale lives on the device of the first tensor passed to :meth:`scale`, whatever ``device``
+    says. With default settings the scale trajectory, the skipped steps and the parameters are
+    bit-identical to torch's.
 
     Args:
         device: accepted for compatibility; where the scale lives is decided by the outputs.
@@ -60,10 +62,9 @@ class GradScaler:
             :class:`~mixprec.errors.ScaleCollapseError` on the N-th consecutive skipped iteration.
         history: keyword-only; iterations of scale history kept (at most 1,000,000).
         process_group: keyword-only ``torch.distributed`` group the grads are sharded over
-            (FSDP1, ZeRO, tensor parallel): its ranks agree on every skip with one MAX
-            all-reduce per optimizer per iteration, and ``clip_grad_norm_`` sums norms over it.
-            Not for DDP (replicated grads); detected for DTensor (FSDP2) grads. Not saved in
-            state dicts or pickles. See ``docs/distributed.md``.
+            (FSDP1, ZeRO, tensor parallel; detected for DTensor grads, not needed for DDP): its
+            ranks agree on every skip (one MAX all-reduce per optimizer per iteration) and
+            ``clip_grad_norm_`` sums norms over it. See ``docs/distributed.md``.
 
     Example:
         >>> import torch, mixprec
@@ -83,25 +84,21 @@ class GradScaler:
     def __init__(self, *args: Any, **kwargs: Any) -> None:
         settings, group = settings_from(args, kwargs)
         self._settings: Settings = settings
-        self._state = ScaleState(Values(settings.config.init_scale))
+        self._telemetry = telemetry.Telemetry(settings.history)
+        self._state = ScaleState(Values(settings.config.init_scale), self._recorder())
         self._phases = PhaseTable()
-        self._telemetry = Telemetry(settings.history)
         self._dist = DistState(validate_group(group))
-        self._engine = Engine(self._state, self._phases, self._telemetry, self._dist)
 
     # ------------------------------------------------------------------ the iteration
 
     def scale(self, outputs: Any) -> Any:
-        """Multiply a tensor, or a nested list/tuple/dict/iterable of tensors, by the scale.
-
-        Lists, tuples (named ones too), dicts, ``OrderedDict``/``defaultdict`` and mappings that
-        rebuild from a dict keep their type; other iterables come back as a list. The scale is
-        created on the device of the first tensor met; outputs on other devices are multiplied
-        by a copy on their own device. As in torch, a 0-d fp16 loss becomes fp32.
+        """Multiply a tensor, or a nested list/tuple/dict/iterable of tensors, by the scale,
+        created on the device of the first tensor met (other devices get a copy). Containers keep
+        their type where they can be rebuilt. As in torch, a 0-d fp16 loss becomes fp32.
 
         Raises:
-            ConfigError: a leaf is not a tensor, or a container cannot be rebuilt (its type
-                named), or the first tensor is on the meta device.
+            ConfigError: a leaf is not a tensor, a container cannot be rebuilt (named), or the
+                first tensor is on the meta device.
 
         Host sync: none.
         """
@@ -112,12 +109,9 @@ class GradScaler:
         return scaled
 
     def unscale_(self, optimizer: _Optimizer) -> None:
-        """Divide the optimizer's gradients by the scale, in place, and check them for inf/NaN.
-
-        Call it between ``backward`` and ``step`` when the gradients must be read or changed
-        unscaled; ``step`` does it otherwise. At most once per optimizer per iteration. Overflow
-        created by the division itself (possible when the scale is below 1) is detected too,
-        which torch misses.
+        """Divide the optimizer's gradients by the scale, in place, and check them for inf/NaN,
+        at most once per optimizer per iteration (``step`` does it otherwise). Overflow created by
+        the division itself (a scale below 1) is detected too, which torch misses.
 
         Raises:
             ScalerStateError: no ``scale()`` yet, or already unscaled/stepped this iteration.
@@ -127,94 +121,80 @@ class GradScaler:
         """
         if not self._settings.enabled:
             return
-        self._engine.require_scale("unscale_")
-        self._engine.unscale(optimizer, self._phases.begin_unscale(optimizer))
+        self._phases.require_scale(self._state.scale is not None, "unscale_")
+        self._pass(optimizer, self._phases.begin_unscale(optimizer), unscale=True)
 
     def step(self, optimizer: _Optimizer, *args: Any, **kwargs: Any) -> Any:
         """Unscale (unless :meth:`unscale_` already did) and step, unless a grad is inf/NaN.
 
-        Returns ``optimizer.step(*args, **kwargs)``'s value, or ``None`` when skipped. A skipped
-        step leaves the parameters and the optimizer's state as they were. Optimizers that
-        declare ``_step_supports_amp_scaling`` (torch's ``fused=True`` ones) get ``grad_scale``/
-        ``found_inf`` and skip inside their kernel, as with torch (on their first step mixprec
-        reads the flag once, so that a skipped first step cannot leave half-created state); those
-        written to torch's legacy contract get ``grad_scaler=self``. A closure (``step(opt,
-        closure)`` or ``closure=``), which must call ``scaler.scale(loss).backward()``, may be
-        evaluated several times (LBFGS, SAM): each evaluation is unscaled and checked, and an
-        overflow skips the step and restores everything (``docs/closures.md``).
+        Returns ``optimizer.step(*args, **kwargs)``'s value, or ``None`` when skipped (nothing
+        changed). ``fused=True`` optimizers get ``grad_scale``/``found_inf`` and skip inside their
+        kernel, as with torch (a first step, which creates their state, reads the flag); torch's
+        legacy contract gets ``grad_scaler=self``. A closure (``step(opt, closure)``, calling
+        ``scaler.scale(loss).backward()``) may be evaluated several times (LBFGS, SAM): each
+        evaluation is unscaled and checked; an overflow skips the step and restores everything.
 
         Raises:
             ScalerStateError: no ``scale()`` yet, or stepped twice.
             MissingGradError: none of the optimizer's parameters has a grad (names them).
 
-        Host sync: one per call for non-fused optimizers (to decide whether to call
-        ``optimizer.step``); none for fused ones after their first step; with a closure, one per
-        closure evaluation.
+        Host sync: one for non-fused optimizers (whether to call ``optimizer.step``); none for
+        fused ones after their first step; with a closure, one per closure evaluation.
         """
         if not self._settings.enabled:
             return optimizer.step(*args, **kwargs)
         call = optim.split_closure(args, kwargs) if args or kwargs else None
+        scaled = call is not None or self._state.scale is not None  # (a closure may scale first)
+        record = self._phases.begin_step(optimizer, scaled)
         if call is not None:
-            return step_with_closure(self._engine, optimizer, call)
-        if self._state.scale is None:
-            self._engine.require_scale("step")
-        record = self._phases.begin_step(optimizer)
+            return step_with_closure(self, self._phases, optimizer, record, call)
         if not getattr(optimizer, "_step_supports_amp_scaling", False):
-            return self._engine.step_plain(optimizer, record, args, kwargs)
+            return self._step_plain(optimizer, record, args, kwargs)
         if not optim.takes_grad_scaler(optimizer):
-            return self._engine.step_fused(optimizer, record, args, kwargs)
-        warnings.warn(
-            "GradScaler is going to stop passing itself as a keyword argument to the passed "
-            "optimizer. In the near future GradScaler registers `grad_scale: Tensor` and "
-            "`found_inf: Tensor` to the passed optimizer and let the optimizer use them directly.",
-            FutureWarning,
-            stacklevel=2,
-        )
-        return self._engine.step_legacy(optimizer, record, args, kwargs, self)
+            first = optim.needs_first_step_read(optimizer)  # (its state is created by this step)
+            return self._step_fused(optimizer, record, first, args, kwargs)
+        result = optim.legacy_step(optimizer, self, args, kwargs)
+        self._phases.mark_stepped(record, optimizer, None)
+        if record.found_inf_per_device:  # the optimizer called _check_inf_per_device
+            found_inf = self._phases.found_inf(record, optimizer, self._state.device)
+            self._telemetry.note_step(optimizer, found_inf)
+        return result
 
     def update(self, new_scale: float | torch.Tensor | _Optimizer | None = None) -> None:
         """End the iteration: back off after an overflow, grow after enough clean iterations.
 
-        ``new_scale`` may be a number or a 1-element tensor to set the scale directly (rounded to
+        ``new_scale`` may be a number or a 1-element tensor that sets the scale (rounded to
         float32; the growth tracker is kept), or, as some pages on ``GradScaler.update`` write it,
-        the optimizer that stepped: ``update(optimizer)`` is ``update()`` after checking that this
-        optimizer was unscaled or stepped since the last update.
+        the optimizer that stepped: ``update(optimizer)`` checks it was unscaled or stepped.
 
         Raises:
             MissingGradError: nothing was unscaled or stepped since the last update.
             ScalerStateError: no ``scale()`` yet.
             ConfigError: ``new_scale`` is not finite and within the bounds, or a bad tensor.
 
-        Host sync: none (one when ``max_consecutive_skips`` is set and the iteration's outcome
-        is not already known on the host, i.e. fused optimizers off the CPU; one when
-        ``new_scale`` is a tensor off the host, whose value is read to check it).
+        Host sync: none; one with ``max_consecutive_skips`` when the outcome is not known on the
+        host (fused optimizers off the CPU), and for ``new_scale`` there (or a tensor one).
         """
         if not self._settings.enabled:
             return
         if new_scale is not None and hasattr(new_scale, "param_groups"):
             self._phases.require_touched(new_scale)
             new_scale = None
-        scale = self._state.scale
-        if scale is None:
-            scale = self._engine.require_scale("update")
+        self._phases.require_scale(self._state.scale is not None, "update")
         config = self._settings.config
         if new_scale is not None:  # a bad value raises before the iteration ends (as torch)
-            value = validated_new_scale(new_scale, scale.device, config)
+            value = validated_new_scale(new_scale, self._state.device, config)
         try:
             if new_scale is not None:
-                self._state.set_scale(value)
+                self._state.load(self._state.values()._replace(scale=value))
                 return
-            flags, overflow = self._phases.outcome()
-            total = sum_on(flags, scale.device)
-            telemetry, state = self._telemetry, self._state
-            keep = telemetry.history.capacity > 0
-            used, iteration, values = state.advance(total, overflow, config, keep)
+            total, overflow = self._phases.outcome(self._state.device)
+            iteration, values = self._state.advance(total, overflow, config)
             limit = config.max_consecutive_skips
             if values is None and limit is not None:
-                values = state.values()  # the limit must be checked now: read the device
-            telemetry.after_update(
-                self, iteration, scale, used, total, values, limit, self._phases.stepped
-            )
+                values = self._state.values()  # the limit must be checked now: read the device
+            scale, stepped = self._state.scale, self._phases.stepped
+            self._telemetry.after_update(self, iteration, scale, total, values, limit, stepped)
         finally:
             self._end_iteration()
 
@@ -222,56 +202,252 @@ class GradScaler:
         """Abandon the current iteration after an exception: every optimizer is READY again.
 
         Use it when something raised between ``scale()`` and ``update()`` and the batch is to be
-        skipped: the scale, the growth tracker and the counters are left as they were. The
-        gradients are not touched: zero them before the next backward. Call ``update()`` instead
-        to count the iteration. A no-op between iterations and when disabled.
+        skipped: the scale, tracker and counters stay as they were, the gradients are not touched
+        (zero them before the next backward). A no-op between iterations and when disabled.
 
         Example:
             >>> import torch, mixprec
-            >>> model = torch.nn.Linear(2, 1)
+            >>> model, scaler = torch.nn.Linear(2, 1), mixprec.GradScaler()
             >>> opt = torch.optim.SGD(model.parameters(), lr=0.1)
-            >>> scaler = mixprec.GradScaler()
             >>> scaler.scale(model(torch.ones(1, 2)).sum()).backward()
             >>> scaler.unscale_(opt)
             >>> scaler.reset_iteration()  # e.g. in an ``except`` around the training step
-            >>> opt.zero_grad()
 
         Host sync: none.
         """
         self._end_iteration()
 
+    def _recorder(self) -> Callable[[int, float, bool], None] | None:
+        return self._telemetry.history.record if self._telemetry.history.capacity else None
+
     def _end_iteration(self) -> None:
         self._dist.end_iteration()
         self._phases.end_iteration()
 
-    # ------------------------------------------------------------------ bound from their modules
+    def _pass(self, optimizer: _Optimizer, record: OptimizerRecord, unscale: bool) -> GradPlan:
+        """The one pass over the grads: unscale them in place by ``1/scale`` (a deferred clip's
+        ``coefficient/scale``), refusing fp16 grads first (LowPrecisionGradError), or check them."""
+        plan, group, agree = self._dist.prepare(plan_grads(optimizer))
+        flags, deferred = record.found_inf_per_device, record.deferred
+        if unscale and deferred is None and plan.low_precision:
+            raise LowPrecisionGradError(low_precision_message(plan.low_precision))
+        if not unscale:
+            check_finite_(plan, flags)
+        elif deferred is None:
+            inv, below_one = self._state.inv_scale(), self._state.may_be_below_one
+            unscale_grads_(plan, inv, flags, check_output=below_one)
+        else:  # the flags were set when the norm was measured (and agreed on by its all-reduce)
+            factor = deferred * self._state.inv_scale().to(deferred.device)
+            unscale_grads_(plan, factor, flags, check_output=False)
+        if agree and deferred is None:  # one all-reduce per optimizer per iteration
+            self._dist.agree_(flags, group, self._state.device)
+        self._phases.mark_pass(record, optimizer, plan.missing, unscale)
+        return plan
 
-    # Clipping (mixprec._src.scaling.clipping): unscale fused with clipping.
-    clip_grad_norm_ = clipping.clip_grad_norm_
-    clip_grad_value_ = clipping.clip_grad_value_
-    # Signals (mixprec._src.scaling.signals): skips, counters, history, hooks, diagnosis.
-    last_step_skipped = signals.last_step_skipped
-    last_step_skipped_async = signals.last_step_skipped_async
-    stats = signals.stats
-    history = signals.history
-    register_update_hook = signals.register_update_hook
-    diagnose = signals.diagnose
-    # torch.amp.GradScaler's private methods that libraries call (mixprec._src.scaling.compat).
-    _lazy_init_scale_growth_tracker = compat.lazy_init_scale_growth_tracker
-    _get_scale_async = compat.get_scale_async
-    _get_growth_tracker = compat.get_growth_tracker
-    _check_inf_per_device = compat.check_inf_per_device
-    _found_inf_per_device = compat.found_inf_per_device
-    _scale = property(compat.get_scale_async)
-    _growth_tracker = property(compat.growth_tracker_tensor)
+    def _checked(self, optimizer: _Optimizer, record: OptimizerRecord, unscale: bool) -> Any:
+        """The step's pass unless done (a deferred clip when unscaling) and the combined overflow
+        flag (MissingGradError when nothing was checked)."""
+        if record.stage is OptState.READY or (unscale and record.deferred is not None):
+            self._pass(optimizer, record, unscale)
+            self._phases.reopen_if_unchecked(record)  # a retry after backward() unscales
+        return self._phases.found_inf(record, optimizer, self._state.device)
 
-    # ------------------------------------------------------------------ settings
+    def _step_plain(
+        self, optimizer: _Optimizer, record: OptimizerRecord, args: tuple, kwargs: dict
+    ) -> Any:
+        """Unscale if needed, read the flag (one host sync) and step unless it overflowed."""
+        found_inf = self._checked(optimizer, record, unscale=True)
+        skipped = bool(found_inf.item() != 0)
+        self._phases.mark_stepped(record, optimizer, skipped)  # before: a retry is refused
+        self._telemetry.note_step(optimizer, found_inf)
+        return None if skipped else optimizer.step(*args, **kwargs)
+
+    def _step_fused(
+        self, optimizer: _Optimizer, record: OptimizerRecord, first: bool, args: tuple, kwargs: dict
+    ) -> Any:
+        """Hand ``grad_scale``/``found_inf`` to an optimizer that skips inside its kernel; on a
+        ``first`` step, which creates its state, read the flag instead (one host sync)."""
+        # Below a scale of 1 the kernel's division could overflow: unscale here instead.
+        unscale = record.stage is OptState.READY and self._state.may_be_below_one
+        grad_scale = user = getattr(optimizer, "grad_scale", None)
+        if not unscale and (record.stage is OptState.READY or record.deferred is not None):
+            grad_scale = self._state.scale  # (else unscaled, and clipped: divide no more)
+            assert grad_scale is not None
+            if record.deferred is not None:  # grads / (scale / c) = unscaled grads * c
+                grad_scale = grad_scale / record.deferred.to(grad_scale.device, torch.float32)
+            grad_scale = grad_scale if user is None else grad_scale * user
+        found_inf = self._checked(optimizer, record, unscale)
+        skipped = bool(found_inf.item() != 0) if first else None
+        self._phases.mark_stepped(record, optimizer, skipped)
+        self._telemetry.note_step(optimizer, found_inf)
+        return None if skipped else optim.fused_step(optimizer, grad_scale, found_inf, args, kwargs)
+
+    def clip_grad_norm_(
+        self,
+        optimizer: _Optimizer,
+        max_norm: float,
+        norm_type: float = 2.0,
+        error_if_nonfinite: bool = False,
+        *,
+        parameters: Iterable[torch.Tensor] | None = None,
+        in_step: bool = False,
+    ) -> torch.Tensor:
+        """Unscale the optimizer's gradients and clip their total norm, in two passes.
+
+        Does what ``scaler.unscale_(optimizer)`` then ``torch.nn.utils.clip_grad_norm_(params,
+        max_norm, norm_type)`` does, with a pass fewer, and counts as this iteration's
+        ``unscale_``; an inf/NaN gradient makes the norm inf/NaN and the next ``step`` skip.
+        Bit-identical to torch's sequence for a power-of-two scale (the default), ``norm_type``
+        1, 2 or inf and the same summation order (``docs/clipping.md``). With a
+        ``process_group`` or DTensor grads the norm is the global one (one all-reduce).
+
+        Args:
+            optimizer: the optimizer whose gradients are unscaled and clipped.
+            max_norm: the largest total norm kept, a number >= 0.
+            norm_type: ``p`` of the p-norm, > 0, or ``float('inf')``.
+            error_if_nonfinite: raise when the norm is inf/NaN, as torch does (one host sync).
+            parameters: the parameters in the order ``torch.nn.utils.clip_grad_norm_`` would get
+                them, which sets the summation order; their grads must be the optimizer's.
+            in_step: measure the norm now and clip inside the next ``step(optimizer)``: a fused
+                optimizer gets the coefficient folded into its ``grad_scale``. Until then
+                ``.grad`` holds the scaled, unclipped gradients.
+
+        Returns:
+            The total norm of the unscaled gradients before clipping (0-d, on the grads' device).
+
+        Raises:
+            ScalerStateError: no ``scale()`` yet, or already unscaled, clipped or stepped.
+            LowPrecisionGradError: some gradients are fp16 (names them; nothing is changed).
+            ConfigError: a bad ``max_norm``/``norm_type``/``parameters``, or sparse gradients.
+            NonFiniteNormError: ``error_if_nonfinite=True`` and the norm is inf/NaN.
+
+        Example:
+            >>> import torch, mixprec
+            >>> model, scaler = torch.nn.Linear(4, 1), mixprec.GradScaler()
+            >>> opt = torch.optim.SGD(model.parameters(), lr=0.1)
+            >>> scaler.scale(model(torch.ones(2, 4)).sum()).backward()
+            >>> norm = scaler.clip_grad_norm_(opt, max_norm=1.0)
+            >>> bool(torch.linalg.vector_norm(model.weight.grad) <= 1.0)
+            True
+            >>> scaler.step(opt)
+            >>> scaler.update()
+
+        Host sync: none; one with ``error_if_nonfinite=True``.
+        """
+        if not self._settings.enabled:
+            params = [p for group in optimizer.param_groups for p in group["params"]]
+            return torch.nn.utils.clip_grad_norm_(params, max_norm, norm_type, error_if_nonfinite)
+        norm_type = clip.validate_norm_type(norm_type)
+        limit = clip.validated_limit(max_norm, "max_norm")
+        self._phases.require_scale(self._state.scale is not None, "clip_grad_norm_")
+        record = self._phases.begin_unscale(optimizer, "clip_grad_norm_")
+        plan, flags, sharded = self._dist.prepare_clip(plan_grads(optimizer))
+        if plan.low_precision:
+            raise LowPrecisionGradError(low_precision_message(plan.low_precision))
+        clip.validate_plan(plan, "clip_grad_norm_")
+        order = None
+        if parameters is not None:  # the norm summed in the order torch's clip would sum it
+            listed = clip.grouped_like(parameters, plan_grads(optimizer).all_grads())
+            order = self._dist.prepare_clip(GradPlan(dense=listed))[0].dense
+        reduce = None  # sharded grads: the global norm, one all-reduce (mixprec._src.dist)
+        if sharded is not None:
+            reduce = functools.partial(self._dist.reduce_norm_, norm_type=norm_type, group=sharded)
+        inv, found = self._state.inv_scale(), record.found_inf_per_device
+        total, coefficient = clip.clip_grad_norm_(
+            plan, inv, found, limit, norm_type, check_output=self._state.may_be_below_one,
+            error_if_nonfinite=error_if_nonfinite, reduce_norm=reduce, norm_groups=order,
+            defer=in_step,
+        )  # fmt: skip
+        if flags is not None and sharded is None:  # replicated grads under Join: flags only
+            self._dist.agree_(found, flags, inv.device)
+        deferred = coefficient if in_step else None
+        self._phases.mark_unscaled(record, optimizer, plan.missing, deferred)
+        return total
+
+    def clip_grad_value_(self, optimizer: _Optimizer, clip_value: float) -> None:
+        """Unscale the optimizer's gradients and clamp them to ``[-clip_value, clip_value]``.
+
+        Does what ``unscale_`` then ``torch.nn.utils.clip_grad_value_`` do (bit-identical) and
+        counts as this iteration's ``unscale_``; overflow is detected before the clamp.
+
+        Raises:
+            ScalerStateError, LowPrecisionGradError: as :meth:`clip_grad_norm_`.
+            ConfigError: a bad ``clip_value``, or sparse gradients.
+
+        Example:
+            >>> import torch, mixprec
+            >>> model, scaler = torch.nn.Linear(4, 1), mixprec.GradScaler()
+            >>> opt = torch.optim.SGD(model.parameters(), lr=0.1)
+            >>> scaler.scale(model(torch.ones(2, 4)).sum()).backward()
+            >>> scaler.clip_grad_value_(opt, 0.5)
+            >>> float(model.bias.grad.abs().max())
+            0.5
+
+        Host sync: none.
+        """
+        if not self._settings.enabled:
+            params = [p for group in optimizer.param_groups for p in group["params"]]
+            torch.nn.utils.clip_grad_value_(params, clip_value)
+            return
+        limit = clip.validated_limit(clip_value, "clip_value")
+        self._phases.require_scale(self._state.scale is not None, "clip_grad_value_")
+        record = self._phases.begin_unscale(optimizer, "clip_grad_value_")
+        clip.validate_plan(plan_grads(optimizer), "clip_grad_value_")  # before anything changes
+        clip.clamp_(self._pass(optimizer, record, unscale=True), limit)  # (flags before the clamp)
+
+    def last_step_skipped(self, optimizer: _Optimizer | None = None) -> bool:
+        """Whether the last ``step`` of ``optimizer`` was skipped (any optimizer of the current
+        or, after ``update()``, the last iteration when ``optimizer`` is None); right for fused
+        optimizers too. Use it to advance LR schedulers and EMAs on real updates only.
+
+        Raises:
+            ScalerStateError: that optimizer (or any) has not been stepped yet.
+
+        Host sync: one (use :meth:`last_step_skipped_async` to avoid it).
+        """
+        return bool(self.last_step_skipped_async(optimizer).item())
+
+    def last_step_skipped_async(self, optimizer: _Optimizer | None = None) -> torch.Tensor:
+        """:meth:`last_step_skipped` as a 0-d bool tensor on the scale's device. Host sync: none."""
+        if not self._settings.enabled:
+            return torch.zeros((), dtype=torch.bool)
+        flag = self._telemetry.skip_flag(optimizer, self._phases.stepped())
+        self._phases.require_step_seen(flag, optimizer)
+        assert flag is not None
+        return flag
+
+    def stats(self) -> telemetry.ScalerStats:
+        """Counters since creation (or since the loaded state dict) and the current scale; emits
+        the collapse warnings ``update()`` could not (fused optimizers off the CPU).
+
+        Host sync: one, when the scale lives on an accelerator and updates ran there unread.
+        """
+        unseen = self._state.read_pending
+        return self._telemetry.stats(self._state.values(), unseen, self._settings.enabled)
+
+    def history(self) -> list[telemetry.HistoryEntry]:
+        """The last ``history`` iterations (constructor argument), oldest first. Host sync: one."""
+        self._state.values()  # (on the device path the history is completed when read)
+        return self._telemetry.history.entries()
+
+    def register_update_hook(
+        self, hook: Callable[[GradScaler, telemetry.UpdateEvent], None]
+    ) -> RemovableHandle:
+        """Call ``hook(scaler, event)`` after every rule update (not after ``update(new_scale)``);
+        the event holds device tensors. Returns a handle whose ``remove()`` unregisters it.
+
+        Host sync: none (unless the hook reads the tensors).
+        """
+        return self._telemetry.register(hook)
+
+    def diagnose(self, optimizer: _Optimizer | None = None) -> telemetry.Diagnosis:
+        """Parameters of ``optimizer`` (default: those stepped or unscaled this iteration) whose
+        grads are inf/NaN or missing, by name when the optimizer knows names. Host sync: one."""
+        return telemetry.diagnose_optimizers([optimizer] if optimizer else self._phases.stepped())
 
     def get_scale(self) -> float:
-        """The current scale as a Python float (1.0 when disabled).
-
-        Host sync: one, when the scale lives on an accelerator and the host lost track of it.
-        """
+        """The current scale as a Python float (1.0 when disabled). Host sync: one, when the
+        scale lives on an accelerator and updates ran there unread."""
         return self._state.values().scale if self._settings.enabled else 1.0
 
     def get_growth_factor(self) -> float:
@@ -279,32 +455,34 @@ class GradScaler:
         return self._settings.config.growth_factor
 
     def set_growth_factor(self, new_factor: float) -> None:
-        """Set the growth factor (> 1). Raises ConfigError otherwise. Host sync: none."""
-        self._settings = self._settings.with_config(growth_factor=new_factor)
+        """Set the growth factor (> 1; else ConfigError). Host sync: as :meth:`get_scale`."""
+        settings = self._settings.with_config(growth_factor=new_factor)
+        self._state.values()  # updates that ran unread are replayed with the old settings
+        self._settings = settings
 
     def get_backoff_factor(self) -> float:
         """The backoff factor. Host sync: none."""
         return self._settings.config.backoff_factor
 
     def set_backoff_factor(self, new_factor: float) -> None:
-        """Set the backoff factor (in (0, 1)). Raises ConfigError otherwise. Host sync: none."""
-        self._settings = self._settings.with_config(backoff_factor=new_factor)
+        """Set the backoff factor (in (0, 1); else ConfigError). Host sync: as :meth:`get_scale`."""
+        settings = self._settings.with_config(backoff_factor=new_factor)
+        self._state.values()
+        self._settings = settings
 
     def get_growth_interval(self) -> int:
         """The growth interval. Host sync: none."""
         return self._settings.config.growth_interval
 
     def set_growth_interval(self, new_interval: int) -> None:
-        """Set the growth interval (an int >= 1). Raises ConfigError otherwise.
-
-        Clean iterations already counted beyond the new interval are capped at one short of it,
-        so the scale grows at the next clean iteration (torch's kernel compares with ``==`` and
-        would not grow again for 2**31 iterations).
-
-        Host sync: none.
-        """
-        self._settings = self._settings.with_config(growth_interval=new_interval)
-        self._state.cap_tracker(self._settings.config.growth_interval - 1)
+        """Set the growth interval (an int >= 1; else ConfigError). Clean iterations counted past
+        it are capped at one short of it, so the scale grows at the next clean one (torch's kernel
+        compares with ``==`` and would not grow for 2**31 iterations). Host sync: as
+        :meth:`get_scale`."""
+        settings = self._settings.with_config(growth_interval=new_interval)
+        values, cap = self._state.values(), settings.config.growth_interval - 1
+        self._state.load(values._replace(growth_tracker=min(values.growth_tracker, cap)))
+        self._settings = settings
 
     def is_enabled(self) -> bool:
         """Whether this scaler scales. Host sync: none."""
@@ -317,31 +495,19 @@ class GradScaler:
 
     @property
     def process_group(self) -> Any:
-        """The group the grads are sharded over, whose ranks agree on every skip (None: no
-        agreement unless the grads are DTensors; DDP needs none). Not saved in state dicts or
-        pickles: set it again after unpickling.
-
-        Raises:
-            ConfigError: (setter) not None or a ``torch.distributed.ProcessGroup``.
-
-        Host sync: none.
-        """
+        """The group the grads are sharded over, whose ranks agree on every skip (None: only
+        DTensor grads agree; DDP needs none). Not saved in state dicts or pickles. The setter
+        raises ConfigError for anything but None or a ``ProcessGroup``. Host sync: none."""
         return self._dist.group
 
     @process_group.setter
     def process_group(self, group: Any) -> None:
         self._dist.group = validate_group(group)
 
-    # ------------------------------------------------------------------ checkpoints
-
     def state_dict(self) -> dict[str, Any]:
         """torch's five keys (``scale``, ``growth_factor``, ``backoff_factor``,
-        ``growth_interval``, ``_growth_tracker``) plus mixprec's own; ``{}`` when disabled.
-
-        Loads into ``torch.amp.GradScaler`` too (torch ignores the extra keys).
-
-        Host sync: one, when the scale lives on an accelerator and the host lost track of it.
-        """
+        ``growth_interval``, ``_growth_tracker``) plus mixprec's own, which torch ignores when
+        loading; ``{}`` when disabled. Host sync: as :meth:`get_scale`."""
         if not self._settings.enabled:
             return {}
         return export_state(self._settings.config, self._state.values())
@@ -349,17 +515,14 @@ class GradScaler:
     def load_state_dict(self, state_dict: Mapping[str, Any]) -> None:
         """Load a state dict from :meth:`state_dict` or from ``torch.amp.GradScaler``.
 
-        Everything is validated before anything changes. Works before the first ``scale()``
-        (the values go into the tensors created then). A no-op when disabled. A scale outside
-        this scaler's bounds (``min_scale``/``max_scale``, the smallest normal float32) is loaded
-        as the nearest bound, with a :class:`~mixprec.errors.MixprecWarning` saying so.
+        Everything is validated before anything changes; it works before the first ``scale()``
+        and is a no-op when disabled. A scale outside this scaler's bounds is loaded as the
+        nearest bound, with a :class:`~mixprec.errors.MixprecWarning` saying so.
 
         Raises:
-            ConfigError: empty dict, missing keys, or values of the wrong type or range (also
-                values the scaler's state tensors could not hold).
-            ScalerStateError: called mid-iteration: ``scale()`` was called, or an optimizer was
-                unscaled or stepped, with the current scale (torch silently mixes the two). Call
-                ``update()`` or :meth:`reset_iteration` first.
+            ConfigError: empty dict, missing keys, or values of the wrong type or range.
+            ScalerStateError: called mid-iteration (after ``scale()``, ``unscale_`` or ``step``):
+                call ``update()`` or :meth:`reset_iteration` first.
 
         Host sync: none.
         """
@@ -376,16 +539,61 @@ class GradScaler:
     def __getstate__(self) -> dict[str, Any]:
         if self._settings.enabled:
             self._phases.require_between_iterations("pickle")
-        return {
-            "settings": self._settings,
-            "values": self._state.values(),
-            "telemetry": self._telemetry,  # without hooks and skip flags (see Telemetry)
-        }
+        values = self._state.values()  # (the telemetry pickles without hooks and skip flags)
+        return {"settings": self._settings, "values": values, "telemetry": self._telemetry}
 
     def __setstate__(self, state: dict[str, Any]) -> None:
         self._settings = state["settings"]
-        self._state = ScaleState(state["values"])
-        self._phases = PhaseTable()
         self._telemetry = state["telemetry"]
+        self._state = ScaleState(state["values"], self._recorder())
+        self._phases = PhaseTable()
         self._dist = DistState()  # process groups do not pickle; set it again
-        self._engine = Engine(self._state, self._phases, self._telemetry, self._dist)
+
+    # ------------------------------------------------------------------ torch's private API
+
+    def _lazy_init_scale_growth_tracker(self, dev: torch.device | str) -> None:
+        self._state.materialize(torch.device(dev))  # (accelerate calls it)
+
+    def _get_scale_async(self) -> torch.Tensor | None:
+        return self._state.scale
+
+    def _get_growth_tracker(self) -> int:
+        return self._state.values().growth_tracker if self._settings.enabled else 0
+
+    _scale = property(_get_scale_async)
+    _growth_tracker = property(lambda self: self._state.growth_tracker())
+
+    def _check_inf_per_device(self, optimizer: _Optimizer) -> dict[torch.device, torch.Tensor]:
+        """Check the grads without unscaling them (torch's legacy fused contract)."""
+        self._phases.require_scale(self._state.scale is not None, "_check_inf_per_device")
+        record = self._phases.get(optimizer)
+        self._pass(optimizer, record, unscale=False)
+        return record.found_inf_per_device
+
+    def _found_inf_per_device(self, optimizer: _Optimizer) -> dict[torch.device, torch.Tensor]:
+        return self._phases.get(optimizer).found_inf_per_device
+
+    # ------------------------------------------------------------------ closures (Stepper), Join
+
+    def _evaluated(self, optimizer: _Optimizer, record: OptimizerRecord) -> bool:
+        """A closure evaluation's grads unscaled (unless done) and checked: overflowed?"""
+        return bool(self._checked(optimizer, record, unscale=True).item() != 0)
+
+    def _flag(self, optimizer: _Optimizer, record: OptimizerRecord) -> torch.Tensor:
+        return self._phases.found_inf(record, optimizer, self._state.device)
+
+    def _unscaled(self, loss: torch.Tensor) -> torch.Tensor:
+        return loss / self._state.scale_on(loss.device)
+
+    def _stepped(self, optimizer: _Optimizer, record: OptimizerRecord, skipped: bool) -> None:
+        self._telemetry.note_step(optimizer, self._flag(optimizer, record))
+        self._phases.mark_stepped(record, optimizer, skipped)
+
+    def _join(self, joinable: Any, group: Any) -> None:
+        self._dist.join(joinable, group)
+
+    def _shadow_iteration(self, group: Any, device: torch.device) -> None:
+        """A joined rank's stand-in: the last iteration's all-reduces with 0, then update()."""
+        device = self._state.materialize(device).scale.device
+        self._phases.shadow(self._dist.shadow_flags(group, device))
+        self.update()

@@ -1,7 +1,7 @@
 """Uneven inputs: shadow iterations for ``torch.distributed.algorithms.Join``.
 
-Lives with the scaler (``mixprec._src.dist`` knows nothing of it) and drives it only through its
-internal interface (:func:`~mixprec._src.scaling.engine.engine_of`) and its public ``update()``.
+Lives with the scaler (``mixprec._src.dist`` knows nothing of it) and drives it through two of its
+private methods (``_join``, ``_shadow_iteration``) and its public API.
 """
 
 from __future__ import annotations
@@ -11,9 +11,8 @@ from typing import Any
 import torch
 from torch.distributed.algorithms.join import Joinable, JoinHook
 
-from mixprec._src.dist.agree import agree_found_inf_, comm_device, initialized, validate_group
-from mixprec._src.dist.norms import all_reduce_norm_
-from mixprec._src.scaling.engine import Engine, engine_of
+from mixprec._src.dist.agree import comm_device, initialized, validate_group
+from mixprec._src.scaling.grad_scaler import GradScaler
 from mixprec.errors import ConfigError
 
 
@@ -61,21 +60,24 @@ class JoinableScaler(Joinable):
                 "JoinableScaler needs torch.distributed: call "
                 "torch.distributed.init_process_group(...) before wrapping the scaler."
             )
-        engine = engine_of(scaler)
-        group = validate_group(process_group) or engine.dist.group or dist.group.WORLD
+        if not isinstance(scaler, GradScaler):
+            raise ConfigError(
+                f"Expected a mixprec.GradScaler, got {type(scaler).__name__}. Build the scaler "
+                "with mixprec.GradScaler(...) (it takes torch.amp.GradScaler's arguments)."
+            )
+        group = validate_group(process_group) or scaler.process_group or dist.group.WORLD
         self._scaler = scaler
-        self._engine = engine
         self._group = group
-        engine.join(self, group)
+        scaler._join(self, group)
 
     def join_hook(self, **kwargs: Any) -> JoinHook:
         """The hook that runs shadow iterations. Host sync: none."""
-        return _ScalerJoinHook(self._scaler, self._engine, self._group, self.join_device)
+        return _ScalerJoinHook(self._scaler, self._group, self.join_device)
 
     @property
     def join_device(self) -> torch.device:
         """Where the join context's own all-reduces run. Host sync: none."""
-        scale = self._engine.state.scale
+        scale = self._scaler._get_scale_async()
         device = scale.device if scale is not None else torch.device("cpu")
         return comm_device(self._group, device)
 
@@ -86,30 +88,14 @@ class JoinableScaler(Joinable):
 
 
 class _ScalerJoinHook(JoinHook):
-    def __init__(self, scaler: Any, engine: Engine, group: Any, device: torch.device) -> None:
+    def __init__(self, scaler: GradScaler, group: Any, device: torch.device) -> None:
         self._scaler = scaler
-        self._engine = engine
         self._group = group
         self._device = device
-        self._keys = [object()]
 
     def main_hook(self) -> None:
         """One shadow iteration: the training ranks' all-reduces with 0, then ``update()``."""
-        engine = self._engine
-        device = engine.state.materialize(self._device).scale.device
-        kinds = engine.dist.last_issued or [0.0]
-        while len(self._keys) < len(kinds):
-            self._keys.append(object())
-        flags = []
-        for kind in kinds:
-            zero = torch.zeros((), device=device)
-            if kind == 0.0:  # a found-inf agreement
-                flags.append(agree_found_inf_(zero, self._group))
-            else:  # a clipping's norm: the flag is its non-finiteness
-                total = all_reduce_norm_(zero, kind, self._group)
-                flags.append(torch.logical_not(torch.isfinite(total)).to(torch.float32))
-        engine.shadow_iteration(self._keys, flags, kinds)
-        self._scaler.update()
+        self._scaler._shadow_iteration(self._group, self._device)
 
     def post_hook(self, is_last_joiner: bool) -> None:
         """Nothing to do: every shadow iteration already kept the state in step."""

@@ -6,6 +6,8 @@ code that assigns a phase, and this module the only one that raises the errors a
 calls (:class:`~mixprec.errors.ScalerStateError`, :class:`~mixprec.errors.MissingGradError`), each
 message saying what happened and what to do instead.
 
+The texts of these messages, and of the fp16-gradient refusal, are the functions at the end.
+
 The table also knows whether ``scale()`` was called in this iteration (the gradients being
 computed are then scaled with the current scale, so a checkpoint must not be loaded), and lends
 a recorder to closures that need to know what ``scale()`` returned.
@@ -15,7 +17,7 @@ from __future__ import annotations
 
 import enum
 import weakref
-from collections.abc import Iterator
+from collections.abc import Iterator, Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass, field
 from typing import Any, NoReturn
@@ -23,7 +25,6 @@ from typing import Any, NoReturn
 import torch
 
 from mixprec._src.kernels.plan import ParamRef
-from mixprec._src.scaling import diagnostics
 from mixprec.errors import ConfigError, MissingGradError, ScalerStateError
 
 
@@ -128,8 +129,10 @@ class PhaseTable:
             )
         return record
 
-    def begin_step(self, optimizer: object) -> OptimizerRecord:
-        """The record, after checking that ``step`` is allowed now."""
+    def begin_step(self, optimizer: object, scaled: bool = True) -> OptimizerRecord:
+        """The record, after checking that ``step`` is allowed now (``scaled``: the scale
+        exists, or a closure will create it)."""
+        self.require_scale(scaled, "step")
         _check_optimizer(optimizer, "step")
         record = self.get(optimizer)
         record.optimizer = weakref.ref(optimizer)  # type: ignore[arg-type]
@@ -141,10 +144,18 @@ class PhaseTable:
             )
         return record
 
-    def mark_checked(
-        self, record: OptimizerRecord, optimizer: torch.optim.Optimizer, missing: list[ParamRef]
+    def mark_pass(
+        self,
+        record: OptimizerRecord,
+        optimizer: torch.optim.Optimizer,
+        missing: list[ParamRef],
+        unscaled: bool,
     ) -> None:
-        """The grads were checked (not unscaled); remember which parameters had none."""
+        """A pass over the grads ran (unscaled them, or checked them); remember which
+        parameters had none."""
+        if unscaled:
+            record.stage = OptState.UNSCALED
+            record.deferred = None
         record.missing = missing
         record.optimizer = weakref.ref(optimizer)
 
@@ -155,10 +166,9 @@ class PhaseTable:
         missing: list[ParamRef],
         deferred: torch.Tensor | None = None,
     ) -> None:
-        """The grads were unscaled (``unscale_``, a clip), or checked with a deferred clip."""
-        record.stage = OptState.UNSCALED
+        """The grads were clipped (and unscaled), or measured for a deferred clip."""
+        self.mark_pass(record, optimizer, missing, unscaled=True)
         record.deferred = deferred
-        self.mark_checked(record, optimizer, missing)
 
     def mark_stepped(
         self, record: OptimizerRecord, optimizer: torch.optim.Optimizer, skipped: bool | None
@@ -170,15 +180,23 @@ class PhaseTable:
         record.optimizer = weakref.ref(optimizer)
 
     def reopen(self, record: OptimizerRecord) -> None:
-        """READY again: a step found nothing to unscale, or a closure is evaluated anew."""
+        """READY again, with no clip pending: a closure is evaluated anew (or a step raised)."""
         record.stage = OptState.READY
+        record.deferred = None
 
-    def shadow(self, key: object, found_inf: torch.Tensor) -> None:
-        """A stepped record for a Join shadow iteration: the ranks' agreed flag."""
-        record = self.get(key)
-        record.found_inf_per_device = {found_inf.device: found_inf}
-        record.stage = OptState.STEPPED
-        record.skipped = bool(found_inf.item() != 0)
+    def reopen_if_unchecked(self, record: OptimizerRecord) -> None:
+        """READY again when ``step``'s own unscale found no grad, so that a retry after
+        ``backward()`` unscales."""
+        if not record.found_inf_per_device:
+            record.stage = OptState.READY
+
+    def shadow(self, flags: list[torch.Tensor]) -> None:
+        """Stepped records for a Join shadow iteration, one per agreed flag (host sync: one
+        each), under keys that no optimizer's ``id`` can take."""
+        for key, found_inf in enumerate(flags):
+            record = self._records[-1 - key] = OptimizerRecord(OptState.STEPPED)
+            record.found_inf_per_device = {found_inf.device: found_inf}
+            record.skipped = bool(found_inf.item() != 0)
 
     def end_iteration(self) -> None:
         """Every optimizer back to READY (``update()``, ``reset_iteration()``, a load)."""
@@ -190,18 +208,22 @@ class PhaseTable:
     def require_scale(self, exists: bool, method: str) -> None:
         """Refuse ``method`` before the first ``scale()``."""
         if not exists:
-            raise ScalerStateError(diagnostics.no_scale_message(method))
+            raise ScalerStateError(no_scale_message(method))
 
-    def require_checked(self, record: OptimizerRecord, optimizer: object) -> None:
-        """Refuse to step an optimizer none of whose grads was checked."""
+    def found_inf(
+        self, record: OptimizerRecord, optimizer: object, device: torch.device
+    ) -> torch.Tensor:
+        """The record's overflow flags combined on ``device`` (non-zero: overflow), after
+        refusing to step an optimizer none of whose grads was checked."""
         if not record.found_inf_per_device:
             raise MissingGradError(
-                diagnostics.no_inf_checks_message("for this optimizer", record.missing, optimizer)
+                no_inf_checks_message("for this optimizer", record.missing, optimizer)
             )
+        return combined(list(record.found_inf_per_device.values()), device)
 
-    def outcome(self) -> tuple[list[torch.Tensor], bool | None]:
-        """``(every overflow flag of the iteration, whether it overflowed if the host knows)``,
-        after checking that ``update()`` has something to count."""
+    def outcome(self, device: torch.device) -> tuple[torch.Tensor, bool | None]:
+        """``(the iteration's overflow flags combined on device, whether it overflowed if the
+        host knows)``, after checking that ``update()`` has something to count."""
         flags: list[torch.Tensor] = []
         known = True
         overflow = False
@@ -213,7 +235,7 @@ class PhaseTable:
                 overflow = True
         if not flags:
             self._refuse_empty_update()
-        return flags, (overflow if known else None)
+        return combined(flags, device), (overflow if known else None)
 
     def _refuse_empty_update(self) -> NoReturn:
         records = self.records()
@@ -236,9 +258,7 @@ class PhaseTable:
             )
         missing = [ref for r in records for ref in r.missing]
         optimizers = [r.optimizer() for r in records if r.optimizer is not None]
-        raise MissingGradError(
-            diagnostics.no_inf_checks_message("prior to update", missing, *optimizers)
-        )
+        raise MissingGradError(no_inf_checks_message("prior to update", missing, *optimizers))
 
     def require_touched(self, optimizer: object) -> None:
         """``update(optimizer)``: that optimizer must have been unscaled or stepped."""
@@ -310,3 +330,76 @@ def _check_optimizer(optimizer: object, method: str) -> None:
             f"{method}() expects a torch.optim.Optimizer (an object with param_groups), got "
             f"{type(optimizer).__name__}.{hint}"
         )
+
+
+_MAX_LISTED = 8
+
+
+def describe_params(refs: Sequence[ParamRef]) -> str:
+    """A comma-separated list of at most eight parameters, then a count of the rest."""
+    names = [ref.describe() for ref in refs[:_MAX_LISTED]]
+    more = len(refs) - len(names)
+    if more > 0:
+        names.append(f"and {more} more")
+    return ", ".join(names)
+
+
+def no_scale_message(method: str) -> str:
+    """A method that needs the scale was called before any ``scale()``."""
+    return (
+        f"{method}() was called before scaler.scale(): the scale does not exist yet. Call "
+        "scaler.scale(loss).backward() earlier in the iteration (the scale is created on the "
+        "device of the first scaled output)."
+    )
+
+
+def low_precision_message(refs: Sequence[ParamRef]) -> str:
+    """fp16 gradients cannot be unscaled in place without losing them."""
+    return (
+        f"Attempting to unscale FP16 gradients of {len(refs)} parameter(s): "
+        f"{describe_params(refs)}. Unscaling fp16 gradients in place flushes small values to "
+        "zero and the optimizer would update fp16 weights, losing small updates. Keep trainable "
+        "parameters in float32 (do not call model.half(); autocast runs the ops in fp16 for "
+        "you), or, to train fp16 parameters, wrap the optimizer with "
+        "mixprec.MasterWeights(optimizer) before its first step: it keeps fp32 master copies "
+        "that the scaler unscales and the optimizer updates. Frozen parameters "
+        "(requires_grad=False) may stay fp16."
+    )
+
+
+def no_inf_checks_message(context: str, missing: Sequence[ParamRef], *optimizers: object) -> str:
+    """``step`` or ``update`` found nothing checked for inf/NaN; says why, truly."""
+    if missing:
+        detail = (
+            f"None of the optimizer's {len(missing)} parameter(s) has a .grad: "
+            f"{describe_params(missing)}."
+        )
+    else:
+        groups = [g for o in optimizers for g in getattr(o, "param_groups", [])]
+        count = sum(len(g["params"]) for g in groups)
+        if count == 0:
+            detail = "The optimizer has no parameters."
+        else:
+            detail = (
+                f"Its {count} parameter(s) were never checked: an optimizer written to torch's "
+                "legacy fused contract (step(closure=None, grad_scaler=None)) must call "
+                "grad_scaler._check_inf_per_device(self) in its step()."
+            )
+    return (
+        f"No inf checks were recorded {context}. {detail} Make sure the loss was scaled and "
+        "backward() ran before step() (scaler.scale(loss).backward()), that the optimizer was "
+        "built from the parameters of the model that produced the loss, and that those "
+        "parameters are used in the forward pass."
+    )
+
+
+def combined(found_infs: list[torch.Tensor], device: torch.device) -> torch.Tensor:
+    """Overflow flags of several devices or optimizers combined on ``device`` (non-zero:
+    overflow)."""
+    total = found_infs[0]
+    if len(found_infs) == 1 and total.device == device:
+        return total  # the common case, without a copy
+    total = total.to(device, non_blocking=True)
+    for other in found_infs[1:]:
+        total = total + other.to(device, non_blocking=True)
+    return total

@@ -27,7 +27,7 @@ import torch
 
 from mixprec._src.devices import caps
 from mixprec._src.scaling.config import ScalerConfig, to_f32
-from mixprec._src.scaling.rule import Tensors, Values, advance, advance_, uses_kernel
+from mixprec._src.scaling.rule import Tensors, Values, advance, advance_
 from mixprec.errors import ConfigError
 
 # Backoff products are rounded to float32; shrinking the bound a little more keeps it a bound.
@@ -37,42 +37,39 @@ _ROUNDING_MARGIN = 1.0 - 2.0**-20
 # keeps four bytes per update.
 _FOLD = 256
 
-Change = Callable[[Values], Values]
+Record = Callable[[int, float, bool], None]
 
 
 class _Log:
-    """The device path's updates since the host last read the tensors, oldest first.
+    """The device path's updates since the host last read the tensors: their overflow flags,
+    oldest first, all under one config (the scaler's setters read the log before a change).
 
-    ``entries`` holds, in order, runs of rule updates under one config (``[config, stacks,
-    flags]``: 1-D stacks of older flags, then 0-d flags) and changes made between them
-    (``update(new_scale)``, a shortened growth interval). Updates traced by ``torch.compile``
-    append to ``traced`` instead (a tensor grown by ``torch.cat``: Python containers would make
-    dynamo recompile at every call), which eager code moves into ``entries`` (:meth:`seal`).
+    Older flags are kept stacked (``stacks``), the latest as they came (``flags``). Updates traced
+    by ``torch.compile`` append to ``traced`` (a tensor grown by ``torch.cat``: a Python container
+    would make dynamo recompile at every call), which eager code moves on (:meth:`seal`).
     """
 
     def __init__(self, bound: float) -> None:
-        self.entries: list[Any] = []
-        self.count = 0  # rule updates logged (not counting traced ones)
-        self.bound = bound  # the scale is known to be >= this
+        self.stacks: list[torch.Tensor] = []
+        self.flags: list[torch.Tensor] = []
         self.traced: torch.Tensor | None = None
-        self.config: ScalerConfig | None = None  # of the last rule update logged
+        self.config: ScalerConfig | None = None
+        self.count = 0  # updates logged, not counting the traced ones
+        self.bound = bound  # the scale is known to be >= this
 
-    def add(self, found_inf: torch.Tensor, config: ScalerConfig) -> None:
-        """Log one rule update (at most one op: a fold). Host sync: none."""
+    def add(self, found_inf: torch.Tensor, config: ScalerConfig, scale: torch.Tensor) -> None:
+        """Log one update, after torch's kernel ran on ``scale`` (at most one op: a fold). Host
+        sync: none."""
         self.seal()
-        run = self.entries[-1] if self.entries else None
-        if not isinstance(run, list) or run[0] is not config:
-            run = [config, [], []]
-            self.entries.append(run)
-        if len(run[2]) == _FOLD:
-            run[1].append(torch.stack(run[2]))
-            run[2] = []
-        elif len(run[1]) == _FOLD:
-            run[1] = [torch.cat(run[1])]
-        run[2].append(found_inf)
-        self.count += 1
-        self.config = config
-        self.bound = max(self.bound * config.backoff_factor * _ROUNDING_MARGIN, config.floor)
+        factor = config.backoff_factor * _ROUNDING_MARGIN
+        self.config, self.count = config, self.count + 1
+        self.bound = max(self.bound * factor, config.floor)
+        if len(self.flags) == _FOLD:
+            self.stacks.append(torch.stack(self.flags))
+            self.flags = []
+        elif len(self.stacks) == _FOLD:
+            self.stacks = [torch.cat(self.stacks)]
+        self.flags.append(found_inf)
 
     def trace(self, found_inf: torch.Tensor, config: ScalerConfig) -> None:
         """Log one update inside ``torch.compile``. Host sync: none."""
@@ -81,44 +78,45 @@ class _Log:
         self.config = config
 
     def seal(self) -> None:
-        """Move the traced updates into ``entries`` (eager code only). Host sync: none."""
+        """Move the traced updates behind the others (eager code only). Host sync: none."""
         if self.traced is not None:
-            self.entries.append([self.config, [self.traced], []])
+            self.stacks += [torch.stack(self.flags), self.traced] if self.flags else [self.traced]
             self.count += self.traced.numel()
-            self.traced = None
+            self.flags, self.traced = [], None
 
-    def replay(self, values: Values) -> Values:
-        """``values`` after every logged update and change. Host sync: one."""
+    def replay(self, values: Values, record: Record | None) -> Values:
+        """``values`` after every logged update, each reported to ``record``. Host sync: one."""
         self.seal()
-        flags = [t.reshape(-1) for e in self.entries if isinstance(e, list) for t in e[1] + e[2]]
-        read = iter(torch.cat(flags).tolist() if flags else [])
-        for entry in self.entries:
-            if not isinstance(entry, list):
-                values = entry(values)
-                continue
-            config, stacks, loose = entry
-            for _ in range(sum(t.numel() for t in stacks) + len(loose)):
-                values = advance(values, next(read) != 0, config)
+        if self.config is None:
+            return values
+        for flag in torch.cat([*self.stacks, *(f.reshape(1) for f in self.flags)]).tolist():
+            before, values = values, advance(values, flag != 0, self.config)
+            if record is not None:
+                record(values.counters[0], before.scale, flag != 0)
         return values
 
 
 class ScaleState:
     """The scale, growth tracker, overflow streak and counters, on the host or the device path."""
 
-    def __init__(self, values: Values) -> None:
+    def __init__(self, values: Values, record: Record | None = None) -> None:
         self._values = values  # the truth on the host path; on the device path, as last read
         self._tensors: Tensors | None = None
         self._log: _Log | None = None  # the device path's updates since `_values` (None: host)
+        self._record = record  # told (number, scale used, skipped) of each update, once known
 
     # ------------------------------------------------------------------ creating, reading
 
     @property
     def scale(self) -> torch.Tensor | None:
-        """The scale tensor (always current), or None before the first ``scale()``.
-
-        Host sync: none.
-        """
+        """The scale tensor (current), or None before the first ``scale()``. Host sync: none."""
         return None if self._tensors is None else self._tensors.scale
+
+    @property
+    def device(self) -> torch.device:
+        """The scale's device (call after the first ``scale()``). Host sync: none."""
+        assert self._tensors is not None
+        return self._tensors.scale.device
 
     def materialize(self, device: torch.device) -> Tensors:
         """The tensors, created on ``device`` (choosing the path) if they do not exist yet.
@@ -158,10 +156,9 @@ class ScaleState:
 
         Host sync: one on the device path when there are updates to replay.
         """
-        log = self._log
-        if log is not None and (log.entries or log.traced is not None):
-            self._values = log.replay(self._values)
-            assert self._tensors is not None
+        if self.read_pending:
+            assert self._log is not None and self._tensors is not None
+            self._values = self._log.replay(self._values, self._record)
             self._tensors.overflow_streak.fill_(self._values.overflow_streak)  # (see advance_)
             self._log = _Log(self._values.scale)
         return self._values
@@ -170,7 +167,7 @@ class ScaleState:
     def read_pending(self) -> bool:
         """Whether :meth:`values` would read the device. Host sync: none."""
         log = self._log
-        return log is not None and bool(log.entries or log.traced is not None)
+        return log is not None and (log.config is not None or log.traced is not None)
 
     def scale_on(self, device: torch.device) -> torch.Tensor:
         """The scale on ``device`` (a copy off its own device). Host sync: none."""
@@ -189,12 +186,9 @@ class ScaleState:
 
     @property
     def may_be_below_one(self) -> bool:
-        """True unless the host can prove ``scale >= 1`` (then ``1/scale`` cannot overflow).
-
-        Under ``torch.compile`` always True: dynamo would guard on the host's numbers.
-
-        Host sync: none.
-        """
+        """True unless the host can prove ``scale >= 1`` (then ``1/scale`` cannot overflow);
+        always under ``torch.compile`` (dynamo would guard on the host's numbers). Host sync:
+        none."""
         if torch.compiler.is_compiling():
             return True
         return not (self._values.scale if self._log is None else self._log.bound) >= 1.0
@@ -202,109 +196,51 @@ class ScaleState:
     # ------------------------------------------------------------------ the writers
 
     def advance(
-        self, found_inf: torch.Tensor, overflow: bool | None, config: ScalerConfig, keep: bool
-    ) -> tuple[torch.Tensor, int, Values | None]:
-        """Apply the rule for one iteration.
-
-        Args:
-            found_inf: the iteration's combined overflow flag on the scale's device.
-            overflow: the outcome, when the host already knows it (else None).
-            config: the rule's settings.
-            keep: return a copy of the old scale (for history) rather than the live tensor.
-
-        Returns:
-            ``(the scale used during the iteration, the number of the update (-1 under
-            torch.compile), the values after it if the host knows them without a read)``.
-
-        Host sync: none.
-        """
+        self, found_inf: torch.Tensor, overflow: bool | None, config: ScalerConfig
+    ) -> tuple[int, Values | None]:
+        """Apply the rule for one iteration, given its combined overflow flag and, when the host
+        knows it, its outcome. Returns ``(the number of the update (-1 under torch.compile),
+        the values after it if the host knows them without a read)``. Host sync: none."""
         tensors = self._tensors
         assert tensors is not None
-        used = tensors.scale.clone() if keep else tensors.scale
         if torch.compiler.is_compiling():
             if self._log is None:  # the host path cannot be traced: the device path from now on
                 tensors.write(self._values)
                 self._log = _Log(self._values.scale)
             advance_(tensors, found_inf, config)
             self._log.trace(found_inf, config)
-            return used, -1, None
+            return -1, None
         if self._log is None:
-            return used, *self._advance_host(found_inf, overflow, config)
-        return used, *self._advance_device(found_inf, overflow, config)
-
-    def _advance_host(
-        self, found_inf: torch.Tensor, overflow: bool | None, config: ScalerConfig
-    ) -> tuple[int, Values]:
-        if overflow is None:  # in host memory: reading the flag costs no sync
-            overflow = bool(found_inf.item() != 0)
-        before, after = self._values, advance(self._values, overflow, config)
-        if after.scale != before.scale:
-            assert self._tensors is not None
-            self._tensors.scale.fill_(after.scale)
-        self._values = after
-        return after.counters[0], after
-
-    def _advance_device(
-        self, found_inf: torch.Tensor, overflow: bool | None, config: ScalerConfig
-    ) -> tuple[int, Values | None]:
-        log, tensors = self._log, self._tensors
-        assert log is not None and tensors is not None
-        log.seal()
-        device = tensors.scale.device
-        if log.config is not None and uses_kernel(log.config, device) != uses_kernel(
-            config, device
-        ):
-            # torch's kernel leaves the streak tensor alone: the general form needs it current
-            tensors.overflow_streak.fill_(self.values().overflow_streak)
-            log = self._log
-            assert log is not None
+            if overflow is None:  # in host memory: reading the flag costs no sync
+                overflow = bool(found_inf.item() != 0)
+            return self._known_outcome(overflow, config)
         # The floor clamp is needed only when one backoff could take the scale near it.
+        log = self._log
         advance_(
             tensors, found_inf, config, clamp=log.bound * config.backoff_factor < 4 * config.floor
         )
-        if overflow is not None and not log.entries:  # a non-fused step read the flag already
-            self._values = advance(self._values, overflow, config)
-            log.config, log.bound = config, self._values.scale
-            return self._values.counters[0], self._values
-        log.add(found_inf, config)
+        if overflow is not None and log.config is None:  # a non-fused step read the flag already
+            return self._known_outcome(overflow, config)
+        log.add(found_inf, config, tensors.scale)
         return self._values.counters[0] + log.count, None
 
-    def set_scale(self, value: float) -> None:
-        """Set the scale (``update(new_scale)``), keeping the tracker, streak and counters.
-
-        Rounded to float32 as ``fill_`` rounds it. Call with a validated value.
-
-        Host sync: none.
-        """
-        assert self._tensors is not None
-        scale = to_f32(value)
-        self._tensors.scale.fill_(scale)
-        self._change(lambda values: values._replace(scale=scale))
+    def _known_outcome(self, overflow: bool, config: ScalerConfig) -> tuple[int, Values]:
+        """The host form on the values (the host path, or the device path with nothing unread);
+        the scale tensor written when it changes on the host path."""
+        before, after = self._values, advance(self._values, overflow, config)
+        self._values = after
         if self._log is not None:
-            self._log.bound = scale
-
-    def cap_tracker(self, cap: int) -> None:
-        """Lower the growth tracker to at most ``cap`` (a shortened growth interval).
-
-        Host sync: none.
-        """
-        if self._log is not None:
+            self._log.bound = after.scale
+        elif after.scale != before.scale:
             assert self._tensors is not None
-            self._tensors.growth_tracker.clamp_(max=cap)
-        self._change(lambda v: v._replace(growth_tracker=min(v.growth_tracker, cap)))
-
-    def _change(self, change: Change) -> None:
-        if self._log is None:
-            self._values = change(self._values)
-        else:
-            self._log.seal()
-            self._log.entries.append(change)
+            self._tensors.scale.fill_(after.scale)
+        if self._record is not None:
+            self._record(after.counters[0], before.scale, overflow)
+        return after.counters[0], after
 
     def load(self, values: Values) -> None:
-        """Replace every value (a validated checkpoint); the path is chosen again.
-
-        Host sync: none.
-        """
+        """Replace every value (a validated checkpoint, ``update(new_scale)``, a shortened
+        interval: after :meth:`values`); the path is chosen again. Host sync: none."""
         self._values = values
         if self._tensors is not None:
             self._tensors.write(values)

@@ -1,22 +1,24 @@
 """What a user reads from a scaler besides the scale: skip flags, counters, history, update hooks,
-and the warnings and errors about a collapsing scale.
+the warnings and errors about a collapsing scale, and the diagnosis of bad gradients.
 
-The value types (:class:`ScalerStats`, :class:`HistoryEntry`, :class:`UpdateEvent`) are public
+The value types (:class:`ScalerStats`, :class:`HistoryEntry`, :class:`UpdateEvent`,
+:class:`Diagnosis`) are public
 through :mod:`mixprec.types`; :class:`Telemetry` is the GradScaler's part that keeps them.
 """
 
 from __future__ import annotations
 
+import array
 import warnings
 from collections import OrderedDict
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 from typing import Any
 
 import torch
 from torch.utils.hooks import RemovableHandle
 
-from mixprec._src.scaling import diagnostics
+from mixprec._src.kernels.plan import iter_params
 from mixprec._src.scaling.rule import Values
 from mixprec.errors import ConfigError, ScaleCollapseError, ScaleCollapseWarning
 
@@ -77,46 +79,34 @@ class UpdateEvent:
 
 
 class History:
-    """A bounded ring of (scale, skipped) kept on the device until read."""
+    """The scale each of the last ``capacity`` iterations used and whether it was skipped, in
+    host memory: the scale's state reports each update once it knows it (at once on the host
+    path, when read on the device path)."""
 
     def __init__(self, capacity: int) -> None:
         self.capacity = capacity
-        self._scales: torch.Tensor | None = None
-        self._skips: torch.Tensor | None = None
+        self._scales = array.array("f", bytes(4 * capacity))  # float32, as the scale is
+        self._skips = bytearray(capacity)
         self._count = 0
-        self._first_iteration = 1
+        self._first = 1
 
-    def record(self, iteration: int, scale: torch.Tensor, overflow: torch.Tensor) -> None:
-        """Append one iteration (two tiny device copies). Host sync: none."""
-        if self.capacity == 0:
-            return
-        if self._scales is None or self._skips is None:
-            self._scales = torch.zeros(self.capacity, dtype=torch.float32, device=scale.device)
-            self._skips = torch.zeros(self.capacity, dtype=torch.bool, device=scale.device)
-            self._first_iteration = iteration
+    def record(self, iteration: int, scale: float, skipped: bool) -> None:
+        """One update (``iteration`` its number, ``scale`` the one it used). Host sync: none."""
+        if not self._count:
+            self._first = iteration
         slot = self._count % self.capacity
-        self._scales[slot].copy_(scale)
-        self._skips[slot].copy_(overflow)
+        self._scales[slot], self._skips[slot] = scale, skipped
         self._count += 1
 
     def entries(self) -> list[HistoryEntry]:
-        """Oldest first. Host sync: one."""
-        if self._scales is None or self._skips is None or self._count == 0:
-            return []
+        """Oldest first. Host sync: none."""
         n = min(self._count, self.capacity)
-        start = self._count - n
-        order = [(start + k) % self.capacity for k in range(n)]
-        scales = self._scales[order].tolist()
-        skips = self._skips[order].tolist()
-        first = self._first_iteration + start
-        return [HistoryEntry(first + k, scales[k], skips[k]) for k in range(n)]
-
-    def __getstate__(self) -> dict[str, object]:
-        state = dict(self.__dict__)
-        for key in ("_scales", "_skips"):
-            tensor = state[key]
-            state[key] = tensor.cpu() if isinstance(tensor, torch.Tensor) else None
-        return state
+        slots = [(self._count - n + k) % self.capacity for k in range(n)]
+        first = self._first + self._count - n
+        return [
+            HistoryEntry(first + k, self._scales[i], bool(self._skips[i]))
+            for k, i in enumerate(slots)
+        ]
 
 
 def stats_of(values: Values, scale: float | None = None) -> ScalerStats:
@@ -152,9 +142,15 @@ class Telemetry:
         self._last_iteration: torch.Tensor | None = None
         self._warned: set[str] = set()
 
-    def wants_events(self) -> bool:
-        """Whether an update must build an event (hooks or history). Host sync: none."""
-        return bool(self.hooks) or self.history.capacity > 0
+    def stats(self, values: Values, unseen: bool, enabled: bool) -> ScalerStats:
+        """The scaler's :class:`ScalerStats`, with the collapse warnings that ``update()`` could
+        not emit when the host did not know the values (``unseen``). Host sync: none."""
+        if not enabled:
+            return stats_of(values, scale=1.0)
+        stats = stats_of(values)
+        if unseen:
+            self.watch(stats.scale, stats.consecutive_skips, None, list, may_raise=False)
+        return stats
 
     def register(self, hook: Callable[[Any, UpdateEvent], None]) -> RemovableHandle:
         """Call ``hook(scaler, event)`` after every rule update. Host sync: none."""
@@ -184,19 +180,17 @@ class Telemetry:
         self,
         scaler: Any,
         iteration: int,
-        scale: torch.Tensor,
-        used: torch.Tensor,
+        scale: Any,
         total: Any,
         values: Values | None,
         limit: int | None,
         optimizers: Callable[[], list[torch.optim.Optimizer]],
     ) -> None:
-        """Record the iteration (history), call the hooks, then :meth:`watch` the values if
-        known. Host sync: none (hooks may; one to name parameters when it warns or raises)."""
+        """Call the hooks, then :meth:`watch` the values if known. Host sync: none (hooks may;
+        one to name parameters when it warns or raises)."""
         self._last_iteration = total
-        if self.wants_events():
+        if self.hooks:
             event = UpdateEvent(iteration, scale, total, total != 0)
-            self.history.record(iteration, used, event.skipped)
             for hook in list(self.hooks.values()):
                 hook(scaler, event)
         if values is not None:
@@ -234,6 +228,8 @@ class Telemetry:
         return state
 
 
+_MAX_NAMED = 8  # non-finite parameters named in a collapse message
+
 #: Consecutive skipped iterations after which a warning is emitted (once).
 SKIP_WARNING = 50
 
@@ -245,5 +241,72 @@ def _warn(message: str) -> None:
 def _collapse_text(
     what: str, scale: float, streak: int, optimizers: list[torch.optim.Optimizer]
 ) -> str:
-    diagnosis = diagnostics.diagnose_optimizers(optimizers) if optimizers else None
-    return diagnostics.collapse_message(what, scale, streak, diagnosis)
+    diagnosis = diagnose_optimizers(optimizers) if optimizers else None
+    return collapse_message(what, scale, streak, diagnosis)
+
+
+@dataclass(frozen=True)
+class Diagnosis:
+    """Parameters whose gradients are non-finite or missing, by optimizer.
+
+    Attributes:
+        non_finite: names (or positions) of parameters whose grad holds inf or NaN.
+        missing: names (or positions) of parameters without a grad.
+    """
+
+    non_finite: list[str]
+    missing: list[str]
+
+    @property
+    def healthy(self) -> bool:
+        """True when every parameter has a finite grad."""
+        return not self.non_finite and not self.missing
+
+    def __str__(self) -> str:
+        if self.healthy:
+            return "All gradients are present and finite."
+        lines = []
+        if self.non_finite:
+            lines.append(f"{len(self.non_finite)} parameter(s) with inf/NaN gradients:")
+            lines.extend(f"  - {name}" for name in self.non_finite)
+        if self.missing:
+            lines.append(f"{len(self.missing)} parameter(s) without a gradient:")
+            lines.extend(f"  - {name}" for name in self.missing)
+        return "\n".join(lines)
+
+
+def diagnose_optimizers(optimizers: Iterable[torch.optim.Optimizer]) -> Diagnosis:
+    """Check every grad of ``optimizers`` (one host sync for all of them)."""
+    refs, flags, missing = [], [], []
+    for optimizer in optimizers:
+        for ref in iter_params(optimizer):
+            grad = ref.param.grad
+            if grad is None:
+                missing.append(ref.describe())
+                continue
+            values = grad._values() if grad.is_sparse else grad
+            refs.append(ref)
+            flags.append(torch.isfinite(values).all().to("cpu", non_blocking=True))
+    finite = torch.stack(flags).tolist() if flags else []
+    bad = [ref.describe() for ref, ok in zip(refs, finite, strict=True) if not ok]
+    return Diagnosis(non_finite=bad, missing=missing)
+
+
+def collapse_message(what: str, scale: float, skips: int, diagnosis: Diagnosis | None) -> str:
+    """Why training stopped making progress, and what usually causes it."""
+    offenders = "The parameters could not be inspected (their optimizers are gone)."
+    if diagnosis is not None and diagnosis.non_finite:
+        offenders = (
+            f"Non-finite gradients now: {', '.join(diagnosis.non_finite[:_MAX_NAMED])}"
+            + (" ..." if len(diagnosis.non_finite) > _MAX_NAMED else "")
+            + "."
+        )
+    elif diagnosis is not None:
+        offenders = "No parameter holds a non-finite gradient right now."
+    return (
+        f"{what} (scale {scale:g}, {skips} consecutive skipped iteration(s)). {offenders} "
+        "Likely causes: an fp16 overflow in the forward pass (a loss or activation beyond "
+        "65504: look for the first non-finite module output, or run that module in fp32), a "
+        "model pretrained in bf16 whose values do not fit fp16 (train in bfloat16 instead), or "
+        "a learning rate that makes training diverge (lower it, or clip gradients)."
+    )
