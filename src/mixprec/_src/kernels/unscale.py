@@ -115,13 +115,18 @@ def found_inf_on(
     return found
 
 
+_ONE: dict[torch.device, torch.Tensor] = {}
+
+
 def _any_non_finite_(grads: list[torch.Tensor], found: torch.Tensor) -> None:
     """``found = max(found, any non-finite value in grads)`` with a read-only pass."""
     if not grads:
         return
     if caps(grads[0].device).amp_kernels:
         # inv_scale == 1 makes the fused kernel a pure check (values are left as they are).
-        one = torch.ones((), dtype=torch.float32, device=found.device)
+        one = _ONE.get(found.device)  # (a constant: not created at every check)
+        if one is None:
+            one = _ONE[found.device] = torch.ones((), dtype=torch.float32, device=found.device)
         torch._amp_foreach_non_finite_check_and_unscale_(grads, found, one)
         return
     flags = torch.stack([torch.logical_not(torch.isfinite(g)).any() for g in grads])

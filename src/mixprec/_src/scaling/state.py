@@ -36,6 +36,10 @@ _ROUNDING_MARGIN = 1.0 - 2.0**-20
 # are as many of them, so an update dispatches at most one extra op and a long run without reads
 # keeps four bytes per update.
 _FOLD = 256
+# Every this many unread updates, the scale is copied to the host without waiting for it (one op):
+# once it has landed it bounds the scale from below again, so that the host rarely has to assume
+# that the scale may be near the floor or below 1 (the clamp, and unscaling in a fused step).
+_PROBE = 8
 
 Record = Callable[[int, float, bool], None]
 
@@ -46,7 +50,9 @@ class _Log:
 
     Older flags are kept stacked (``stacks``), the latest as they came (``flags``). Updates traced
     by ``torch.compile`` append to ``traced`` (a tensor grown by ``torch.cat``: a Python container
-    would make dynamo recompile at every call), which eager code moves on (:meth:`seal`).
+    would make dynamo recompile at every call), which eager code moves on (:meth:`seal`). ``bound``
+    assumes a backoff at every update, unless a probe (an asynchronous copy of the scale, with an
+    event that says when it landed) tells better.
     """
 
     def __init__(self, bound: float) -> None:
@@ -56,10 +62,11 @@ class _Log:
         self.config: ScalerConfig | None = None
         self.count = 0  # updates logged, not counting the traced ones
         self.bound = bound  # the scale is known to be >= this
+        self.probe: tuple[int, torch.Tensor, Any] | None = None
 
     def add(self, found_inf: torch.Tensor, config: ScalerConfig, scale: torch.Tensor) -> None:
-        """Log one update, after torch's kernel ran on ``scale`` (at most one op: a fold). Host
-        sync: none."""
+        """Log one update, after torch's kernel ran on ``scale`` (at most one op: a fold, or a
+        probe sent or read). Host sync: none."""
         self.seal()
         factor = config.backoff_factor * _ROUNDING_MARGIN
         self.config, self.count = config, self.count + 1
@@ -69,6 +76,14 @@ class _Log:
             self.flags = []
         elif len(self.stacks) == _FOLD:
             self.stacks = [torch.cat(self.stacks)]
+        elif self.probe is None:
+            if self.count % _PROBE == 0:
+                copy = scale.to("cpu", non_blocking=True, copy=True)
+                self.probe = (self.count, copy, _event(scale))
+        elif self.probe[2] is None or self.probe[2].query():  # landed: the scale was copy then
+            at, copy, _ = self.probe
+            self.bound = max(self.bound, copy.item() * factor ** (self.count - at))
+            self.probe = None
         self.flags.append(found_inf)
 
     def trace(self, found_inf: torch.Tensor, config: ScalerConfig) -> None:
@@ -94,6 +109,17 @@ class _Log:
             if record is not None:
                 record(values.counters[0], before.scale, flag != 0)
         return values
+
+
+def _event(tensor: torch.Tensor) -> Any:
+    """An event recorded after the work queued so far on ``tensor``'s device (None on the CPU,
+    whose copies have landed when issued)."""
+    try:
+        event = torch.Event(tensor.device)
+        event.record()
+    except RuntimeError:  # "cpu backend doesn't support events"
+        return None
+    return event
 
 
 class ScaleState:
