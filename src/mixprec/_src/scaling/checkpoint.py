@@ -1,11 +1,6 @@
-"""State dicts: validation and conversion, shared by ``load_state_dict`` and ``state_dict``.
-
-A state dict has torch's five keys with torch's meaning (so checkpoints move both ways between
-``torch.amp.GradScaler`` and mixprec) plus mixprec's own, which torch ignores when loading.
-Everything is validated, against the ranges the state tensors can hold (float32 scale, int32
-tracker and streak, int64 counters), before anything changes: a dict that passes can always be
-written into the tensors, now or at the first ``scale()``.
-"""
+"""State dicts: torch's five keys with torch's meaning (checkpoints move both ways) plus mixprec's
+own, which torch ignores. Loading validates everything against what the state can hold before
+anything changes."""
 
 from __future__ import annotations
 
@@ -56,34 +51,26 @@ def _scalar(key: str, value: Any) -> float:
         return math.inf
 
 
-def _count(key: str, value: Any, maximum: int) -> int:
-    """An int in ``[0, maximum]``; exact for big ints (no trip through float)."""
-    value = _plain(key, value)
+def _int(key: str, value: Any, maximum: int | None = None) -> int:
+    """An int (or a whole float; exact for big ints), in ``[0, maximum]`` if ``maximum``."""
+    value, kind = _plain(key, value), "an int" if maximum is None else "an int >= 0"
     if not isinstance(value, numbers.Integral) or isinstance(value, bool):
         number = _scalar(key, value)
         if not number.is_integer():
-            raise ConfigError(f"state_dict[{key!r}] must be an int >= 0, got {show(value)}.")
-        value = int(number)
-    if value < 0:
-        raise ConfigError(f"state_dict[{key!r}] must be an int >= 0, got {show(value)}.")
-    if value > maximum:
-        raise ConfigError(
-            f"state_dict[{key!r}] must be an int <= {maximum} (the most the scaler's state "
-            f"tensor holds), got {show(value)}."
-        )
-    return int(value)
+            raise ConfigError(f"state_dict[{key!r}] must be {kind}, got {show(value)}.")
+        value = number
+    value = int(value)
+    if maximum is not None and not 0 <= value <= maximum:
+        kind = kind if value < 0 else f"an int <= {maximum} (the most the scaler's state holds)"
+        raise ConfigError(f"state_dict[{key!r}] must be {kind}, got {show(value)}.")
+    return value
 
 
 def parse_state_dict(
     state_dict: Any, current: ScalerConfig
 ) -> tuple[ScalerConfig, Values, str | None]:
-    """Validate ``state_dict`` completely and return what loading it would set, and a note to
-    warn with when the scale had to be brought inside the scaler's bounds.
-
-    Raises:
-        ConfigError: not a mapping, a missing torch key, or a value of the wrong type or range.
-            Nothing has been changed when it raises.
-    """
+    """What loading ``state_dict`` would set, and a warning when the scale had to be brought
+    inside the scaler's bounds (ConfigError for anything it cannot load)."""
     _check_keys(state_dict)
     scale = _scalar("scale", state_dict["scale"])
     if not (math.isfinite(scale) and 0 < scale <= FP32_MAX):
@@ -103,18 +90,13 @@ def parse_state_dict(
         raise ConfigError(
             f"state_dict['_counters'] must be a list of 4 ints, got {show(counters)}."
         )
-    tracker = _count("_growth_tracker", state_dict["_growth_tracker"], INT32_MAX)
-    values = Values(
-        scale=scale,
-        # Capped like set_growth_interval does: at or past the interval, torch's kernel
-        # (``tracker + 1 == interval``) would never grow again; this grows at the next clean one.
-        growth_tracker=min(tracker, config.growth_interval - 1),
-        overflow_streak=_count(
-            "_overflow_streak", state_dict.get("_overflow_streak", 0), INT32_MAX
-        ),
-        counters=tuple(_count("_counters", c, INT64_MAX) for c in counters),  # type: ignore[arg-type]
-    )
-    return config, values, note
+    tracker = _int("_growth_tracker", state_dict["_growth_tracker"], INT32_MAX)
+    streak = _int("_overflow_streak", state_dict.get("_overflow_streak", 0), INT32_MAX)
+    counts = tuple(_int("_counters", c, INT64_MAX) for c in counters)
+    # The tracker capped as set_growth_interval caps it: at or past the interval, torch's kernel
+    # (``tracker + 1 == interval``) would never grow again.
+    tracker = min(tracker, config.growth_interval - 1)
+    return config, Values(scale, tracker, streak, counts), note  # type: ignore[arg-type]
 
 
 def _check_keys(state_dict: Any) -> None:
@@ -142,31 +124,22 @@ def _config_from(state_dict: Mapping[str, Any], current: ScalerConfig) -> Scaler
         value = _plain(key, state_dict.get(key, default))
         return None if value is None else _scalar(key, value)
 
-    def whole(key: str, value: Any) -> Any:
-        value = _plain(key, value)
-        if isinstance(value, numbers.Integral) and not isinstance(value, bool):
-            return int(value)
-        number = _scalar(key, value)
-        if not number.is_integer():
-            raise ConfigError(f"state_dict[{key!r}] must be an int, got {show(value)}.")
-        return int(number)
-
     low = optional("min_scale", current.min_scale)
     high = optional("max_scale", current.max_scale)
     return ScalerConfig(
         init_scale=min(max(current.init_scale, low or 0.0), high or FP32_MAX),
         growth_factor=_scalar("growth_factor", state_dict["growth_factor"]),
         backoff_factor=_scalar("backoff_factor", state_dict["backoff_factor"]),
-        growth_interval=whole("growth_interval", state_dict["growth_interval"]),
+        growth_interval=_int("growth_interval", state_dict["growth_interval"]),
         min_scale=low,
         max_scale=high,
-        hysteresis=whole("hysteresis", state_dict.get("hysteresis", current.hysteresis)),
+        hysteresis=_int("hysteresis", state_dict.get("hysteresis", current.hysteresis)),
         max_consecutive_skips=current.max_consecutive_skips,
     )
 
 
 def export_state(config: ScalerConfig, values: Values) -> dict[str, Any]:
-    """The state dict for ``config`` and the tensors' current ``values``."""
+    """The state dict of ``config`` and ``values``."""
     return {
         "scale": values.scale,
         "growth_factor": config.growth_factor,

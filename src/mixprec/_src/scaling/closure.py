@@ -1,17 +1,9 @@
-"""``scaler.step(optimizer, closure)``: optimizers that evaluate the loss several times per step.
+"""``scaler.step(optimizer, closure)`` (LBFGS, SAM: the loss evaluated several times per step).
 
-LBFGS calls its closure up to ``max_eval`` times per step, SAM-style optimizers twice. Each
-evaluation runs ``scaler.scale(loss).backward()`` and so leaves *scaled* gradients; the optimizer
-must only ever see unscaled ones. :func:`step_with_closure` therefore hands the optimizer a closure
-that wraps the user's: it runs the user's closure, unscales and checks that evaluation's gradients,
-reads the overflow flag (one host sync) and returns the unscaled loss. On the first overflowing
-evaluation it aborts the optimizer's step and restores the parameters and the optimizer's state
-from a snapshot taken just before the step, so a skipped step changes nothing. The scaler's side
-is the small interface :class:`Stepper`, which :class:`~mixprec.GradScaler` implements.
-
-Memory: the snapshot is one copy of every parameter of the optimizer plus one deep copy of its
-state (and of the state of any optimizer it wraps, such as SAM's ``base_optimizer``): for Adam
-3x the parameters' size, for LBFGS 1x plus its history (``2 * history_size`` flat vectors).
+The optimizer gets a closure that runs the user's, then unscales and checks that evaluation's
+gradients (one host sync) and returns the unscaled loss. The first overflowing evaluation aborts
+the step and restores parameters and optimizer state from a snapshot taken before it, so a skipped
+step changes nothing (its memory: ``docs/closures.md``). The scaler's side is :class:`Stepper`.
 """
 
 from __future__ import annotations
@@ -44,10 +36,7 @@ class Stepper(Protocol):
 def _optimizers_within(optimizer: _Optimizer) -> list[_Optimizer]:
     """The optimizer and those it wraps (attributes that are optimizers, e.g. SAM's base)."""
     inner = [v for v in vars(optimizer).values() if isinstance(v, _Optimizer)]
-    unique: dict[int, _Optimizer] = {id(optimizer): optimizer}
-    for other in inner:
-        unique.setdefault(id(other), other)
-    return list(unique.values())
+    return list({id(o): o for o in [optimizer, *inner]}.values())
 
 
 @dataclass
@@ -100,24 +89,17 @@ class _Overflow(Exception):
     """Raised through ``optimizer.step`` to abort it at the first overflowing evaluation."""
 
 
+@dataclass
 class _Evaluation:
     """The closure the optimizer sees: the user's closure, then unscale, check, unscale loss."""
 
-    def __init__(
-        self,
-        scaler: Stepper,
-        phases: PhaseTable,
-        optimizer: _Optimizer,
-        record: OptimizerRecord,
-        call: ClosureCall,
-    ) -> None:
-        self.scaler = scaler
-        self.phases = phases
-        self.optimizer = optimizer
-        self.record = record
-        self.closure = call.closure
-        self.count = 0
-        self.overflowed = False
+    scaler: Stepper
+    phases: PhaseTable
+    optimizer: _Optimizer
+    record: OptimizerRecord
+    closure: Any
+    count: int = 0
+    overflowed: bool = False
 
     def __call__(self) -> Any:
         self.phases.reopen(self.record)  # the user's closure may call unscale_ itself (to clip)
@@ -141,19 +123,13 @@ def step_with_closure(
     record: OptimizerRecord,
     call: ClosureCall,
 ) -> Any:
-    """Step ``optimizer`` with a closure whose every evaluation is unscaled and checked.
-
-    If the record is already UNSCALED (the user ran a first pass and called ``unscale_``, as
-    SAM's ``step(closure)`` expects), those gradients count too: an overflow there skips the
-    step without calling the optimizer. Otherwise the step is skipped, and everything restored,
-    at the first overflowing evaluation.
-
-    Host sync: one per closure evaluation (plus one when the record was already unscaled).
-    """
+    """Step ``optimizer`` with a closure whose every evaluation is unscaled and checked; grads
+    already unscaled (SAM's first pass) are checked first, and an overflow there skips the step
+    without calling the optimizer. Host sync: one per evaluation (and for unscaled grads)."""
     if record.stage is OptState.UNSCALED and scaler._evaluated(optimizer, record):
         scaler._stepped(optimizer, record, skipped=True)
         return None
-    evaluation = _Evaluation(scaler, phases, optimizer, record, call)
+    evaluation = _Evaluation(scaler, phases, optimizer, record, call.closure)
     snapshot = Snapshot.take(optimizer)
     try:
         result = call.invoke(optimizer, evaluation)

@@ -1,16 +1,12 @@
-"""Frozen, validated scaler settings, the constructor's two call forms, and the number checks.
+"""Frozen, validated scaler settings and the constructor's two call forms.
 
 Every bad value raises :class:`~mixprec.errors.ConfigError` naming the setting, the value and the
-allowed range; setters on the scaler go through the same checks (``dataclasses.replace``). The
-scale and its bounds are float32 values: they are rounded to float32 here, exactly as torch rounds
-a Python float it writes into a float32 tensor, so that the host and the device never disagree.
-torch 2's ``GradScaler(device, init_scale, ...)`` and torch.cuda.amp 1.5's ``GradScaler(init_scale,
-growth_factor, ...)`` (no device) bind to the same names (:func:`settings_from`).
+allowed range. The scale and its bounds are rounded to float32 here, as torch rounds a Python float
+written into a float32 tensor, so that the host and the device never disagree.
 """
 
 from __future__ import annotations
 
-import dataclasses
 import inspect
 import math
 import numbers
@@ -22,15 +18,11 @@ import torch
 
 from mixprec.errors import ConfigError
 
-#: Smallest normal float32. The scale never goes below it, so ``1 / scale`` stays finite.
-FP32_TINY = 2.0**-126
-#: Largest finite float32.
+FP32_TINY = 2.0**-126  # the smallest normal float32: the scale's floor, so 1/scale stays finite
 FP32_MAX = 3.4028234663852886e38
-#: Largest values of the int32 tracker/streak tensors and of the int64 counters.
-INT32_MAX = 2**31 - 1
-INT64_MAX = 2**63 - 1
-
-
+INT32_MAX = 2**31 - 1  # the tracker and streak tensors
+INT64_MAX = 2**63 - 1  # the counters
+MAX_HISTORY = 1_000_000  # history entries kept at most
 _F32 = struct.Struct("f")
 
 
@@ -49,11 +41,7 @@ def show(value: Any) -> str:
 
 
 def real(name: str, value: Any) -> float:
-    """``value`` as a finite float (Python and numpy numbers; not bools, strings or tensors).
-
-    Raises:
-        ConfigError: not a real number, or not finite (huge ints included).
-    """
+    """``value`` as a finite float (Python and numpy numbers; not bools, strings or tensors)."""
     if isinstance(value, bool) or not isinstance(value, numbers.Real):
         raise ConfigError(
             f"{name} must be a real number, got {show(value)} ({type(value).__name__})."
@@ -68,11 +56,7 @@ def real(name: str, value: Any) -> float:
 
 
 def integer(name: str, value: Any, minimum: int, maximum: int = INT64_MAX) -> int:
-    """``value`` as an int in ``[minimum, maximum]`` (Python and numpy ints; not bools).
-
-    Raises:
-        ConfigError: not an int, or out of range.
-    """
+    """``value`` as an int in ``[minimum, maximum]`` (Python and numpy ints; not bools)."""
     if isinstance(value, bool) or not isinstance(value, numbers.Integral):
         raise ConfigError(
             f"{name} must be an int >= {minimum}, got {show(value)} ({type(value).__name__})."
@@ -87,21 +71,8 @@ def integer(name: str, value: Any, minimum: int, maximum: int = INT64_MAX) -> in
 
 @dataclass(frozen=True)
 class ScalerConfig:
-    """The settings of a :class:`~mixprec.GradScaler`, checked on construction.
-
-    The scale and its bounds are rounded to float32 (the dtype of the scale).
-
-    Attributes:
-        init_scale: first scale, a normal float32 (>= 2**-126, so ``1/scale`` stays finite).
-        growth_factor: multiplier after ``growth_interval`` clean iterations, > 1.
-        backoff_factor: multiplier after an overflow, in (0, 1).
-        growth_interval: clean iterations needed before a growth, an int >= 1.
-        min_scale: lower bound of the scale, or None (the floor is then the smallest normal
-            float32, so the scale never reaches 0).
-        max_scale: upper bound of the scale, or None (growth never reaches inf).
-        hysteresis: back off only on the N-th consecutive overflowing iteration, an int >= 1.
-        max_consecutive_skips: raise :class:`~mixprec.errors.ScaleCollapseError` on the N-th
-            consecutive skipped iteration, or None to never raise.
+    """The settings of a :class:`~mixprec.GradScaler` (its arguments of the same names), checked
+    on construction; the scale and its bounds rounded to float32.
 
     Example:
         >>> ScalerConfig(init_scale=1024.0, growth_interval=100).growth_interval
@@ -155,14 +126,12 @@ class ScalerConfig:
                 )
             if low > FP32_MAX:
                 raise ConfigError(f"min_scale must be a finite float32, got {low}.")
-            low = to_f32(low)
-            object.__setattr__(self, "min_scale", low)
+            object.__setattr__(self, "min_scale", low := to_f32(low))
         if high is not None:
             high = real("max_scale", high)
             if not FP32_TINY <= high <= FP32_MAX:
                 raise ConfigError(f"max_scale must be a finite float32 > 0, got {high}.")
-            high = to_f32(high)
-            object.__setattr__(self, "max_scale", high)
+            object.__setattr__(self, "max_scale", high := to_f32(high))
         if low is not None and high is not None and low > high:
             raise ConfigError(f"min_scale ({low}) must not exceed max_scale ({high}).")
         if not (low or 0.0) <= self.init_scale <= (high or FP32_MAX):
@@ -173,12 +142,10 @@ class ScalerConfig:
 
     @property
     def floor(self) -> float:
-        """The smallest scale the rule allows."""
         return FP32_TINY if self.min_scale is None else self.min_scale
 
     @property
     def ceiling(self) -> float:
-        """The largest scale the rule allows."""
         return FP32_MAX if self.max_scale is None else self.max_scale
 
     @property
@@ -187,20 +154,11 @@ class ScalerConfig:
         settings, and an interval its int32 tracker can reach."""
         return self.hysteresis == 1 and self.max_scale is None and self.growth_interval <= INT32_MAX
 
-    def with_(self, **changes: Any) -> ScalerConfig:
-        """A validated copy with ``changes`` applied (the original is untouched)."""
-        return replace(self, **changes)
-
 
 def validated_new_scale(value: Any, device: torch.device, config: ScalerConfig) -> float:
-    """``update(new_scale)``'s argument, checked: a number, or a 1-element real tensor on the
-    scale's device type, within the bounds; returned as a float32 value.
-
-    Raises:
-        ConfigError: anything else (names the value and what to pass).
-
-    Host sync: one for a tensor off the host (its value is read to check it); none otherwise.
-    """
+    """``update(new_scale)``'s argument (a number, or a 1-element real tensor on the scale's
+    device type) checked against the bounds, as a float32 value. Host sync: one for a tensor (its
+    value is checked on every device: a NaN copied in unchecked would skip every later step)."""
     if isinstance(value, torch.Tensor):
         if value.numel() != 1 or value.requires_grad or value.is_complex():
             raise ConfigError(
@@ -213,8 +171,6 @@ def validated_new_scale(value: Any, device: torch.device, config: ScalerConfig) 
                 f"new_scale is on {value.device} but the scale lives on {device}; pass "
                 f"new_scale.to('{device}') or a float."
             )
-        # Read and checked on every device: a NaN or out-of-range tensor copied in unchecked
-        # would skip every later step without a word.
         return validated_new_scale(value.item(), device, config)
     if isinstance(value, bool) or not isinstance(value, numbers.Real):
         raise ConfigError(
@@ -233,22 +189,10 @@ def validated_new_scale(value: Any, device: torch.device, config: ScalerConfig) 
     return to_f32(number)
 
 
-#: The most history entries kept (two tensors of this many elements on the scale's device).
-MAX_HISTORY = 1_000_000
-
-
 @dataclass(frozen=True)
 class Settings:
-    """Everything a GradScaler was built with, except the process group (not a setting: it is
-    neither saved nor pickled).
-
-    Attributes:
-        config: the update rule's settings.
-        enabled: ``False`` makes every method a pass-through.
-        history: iterations of scale history kept, ``0 <= history <= MAX_HISTORY``.
-        device: the ``device`` argument's type, for messages (the scale lives where the outputs
-            are).
-    """
+    """Everything a GradScaler was built with but the process group (neither saved nor pickled);
+    ``device`` is the argument's type, for messages (the scale lives where the outputs are)."""
 
     config: ScalerConfig
     enabled: bool = True
@@ -256,30 +200,8 @@ class Settings:
     device: str | None = None
 
     def with_config(self, **changes: Any) -> Settings:
-        """A copy with a validated new config (the original is untouched). Host sync: none."""
-        return dataclasses.replace(self, config=self.config.with_(**changes))
-
-
-def settings_from(args: tuple[Any, ...], kwargs: dict[str, Any]) -> tuple[Settings, Any]:
-    """``(settings, process_group)`` from the constructor's arguments, validated.
-
-    Raises:
-        TypeError: unknown or repeated arguments (as Python would).
-        ConfigError: a value of the wrong type or out of range.
-    """
-    bound = bind_constructor_args(args, kwargs)
-    enabled = bound.pop("enabled")
-    if not isinstance(enabled, bool):
-        raise ConfigError(f"enabled must be a bool, got {enabled!r}.")
-    device = parse_device(bound.pop("device"))
-    group = bound.pop("process_group")
-    history = bound.pop("history")
-    if isinstance(history, bool) or not isinstance(history, int) or history < 0:
-        raise ConfigError(f"history must be an int >= 0 (entries kept), got {history!r}.")
-    history = integer("history", history, 0, MAX_HISTORY)
-    config = ScalerConfig(**bound)
-    kind = None if device is None else device.type
-    return Settings(config=config, enabled=enabled, history=history, device=kind), group
+        """A copy with a validated new config (the original is untouched)."""
+        return replace(self, config=replace(self.config, **changes))
 
 
 def _torch_form(
@@ -303,35 +225,31 @@ def _torch_form(
 SIGNATURE = inspect.signature(_torch_form)
 # torch.cuda.amp 1.5's form: no device first (it is keyword-only there).
 _FIRST, *_REST = SIGNATURE.parameters.values()
-_SEED_SIGNATURE = SIGNATURE.replace(
+_CUDA_AMP_SIGNATURE = SIGNATURE.replace(
     parameters=[*_REST[:5], _FIRST.replace(kind=inspect.Parameter.KEYWORD_ONLY), *_REST[5:]]
 )
 
 
-def bind_constructor_args(args: tuple[Any, ...], kwargs: dict[str, Any]) -> dict[str, Any]:
-    """Every constructor argument by name, whichever form was used.
-
-    A number as the first positional argument selects torch.cuda.amp's form.
-
-    Raises:
-        TypeError: unknown or repeated arguments (as Python would).
-    """
-    first_is_number = (
-        bool(args) and isinstance(args[0], (int, float)) and not isinstance(args[0], bool)
-    )
-    signature = _SEED_SIGNATURE if first_is_number else SIGNATURE
-    bound = signature.bind(*args, **kwargs)
+def settings_from(args: tuple[Any, ...], kwargs: dict[str, Any]) -> tuple[Settings, Any]:
+    """``(settings, process_group)`` from the constructor's arguments, validated; a number first
+    selects torch.cuda.amp's form (TypeError for unknown or repeated arguments, as Python's)."""
+    number_first = bool(args) and type(args[0]) is not bool and isinstance(args[0], (int, float))
+    bound = (_CUDA_AMP_SIGNATURE if number_first else SIGNATURE).bind(*args, **kwargs)
     bound.apply_defaults()
-    return dict(bound.arguments)
+    named = dict(bound.arguments)
+    enabled, device, group = named.pop("enabled"), named.pop("device"), named.pop("process_group")
+    if not isinstance(enabled, bool):
+        raise ConfigError(f"enabled must be a bool, got {enabled!r}.")
+    history = named.pop("history")
+    if isinstance(history, bool) or not isinstance(history, int) or history < 0:
+        raise ConfigError(f"history must be an int >= 0 (entries kept), got {history!r}.")
+    history = integer("history", history, 0, MAX_HISTORY)
+    kind = None if device is None else _device(device).type
+    return Settings(ScalerConfig(**named), enabled, history, kind), group
 
 
-def parse_device(device: str | torch.device | None) -> torch.device | None:
-    """``None`` or a valid ``torch.device``.
-
-    Raises:
-        ConfigError: not a device.
-    """
-    if device is None or isinstance(device, torch.device):
+def _device(device: str | torch.device) -> torch.device:
+    if isinstance(device, torch.device):
         return device
     if not isinstance(device, str):
         raise ConfigError(

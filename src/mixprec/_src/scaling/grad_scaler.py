@@ -1,8 +1,5 @@
-"""GradScaler: one class composed of the parts it owns (``docs/internals.md`` draws them): the
-settings (:mod:`.config`), where the scale is (:mod:`.state`), where a phase changes
-(:mod:`.phases`), telemetry (:mod:`.telemetry`), distributed agreement (:mod:`mixprec._src.dist`).
-Closures (:mod:`.closure`) and ``JoinableScaler`` (:mod:`.join`) use the private methods at the
-end of the class only."""
+"""GradScaler, composed of the parts it owns (``docs/internals.md`` draws them); closures and
+``JoinableScaler`` use only the private methods at the end of the class."""
 
 from __future__ import annotations
 
@@ -61,22 +58,10 @@ class GradScaler:
         max_consecutive_skips: keyword-only; raise
             :class:`~mixprec.errors.ScaleCollapseError` on the N-th consecutive skipped iteration.
         history: keyword-only; iterations of scale history kept (at most 1,000,000).
-        process_group: keyword-only ``torch.distributed`` group the grads are sharded over
-            (FSDP1, ZeRO, tensor parallel; detected for DTensor grads, not needed for DDP): its
-            ranks agree on every skip (one MAX all-reduce per optimizer per iteration) and
-            ``clip_grad_norm_`` sums norms over it. See ``docs/distributed.md``.
+        process_group: keyword-only group the grads are sharded over (FSDP1, ZeRO, tensor
+            parallel): its ranks agree on every skip and the clip norm (``docs/distributed.md``).
 
-    Example:
-        >>> import torch, mixprec
-        >>> model = torch.nn.Linear(4, 1)
-        >>> opt = torch.optim.SGD(model.parameters(), lr=0.1)
-        >>> scaler = mixprec.GradScaler()
-        >>> loss = model(torch.randn(8, 4)).pow(2).mean()
-        >>> scaler.scale(loss).backward()
-        >>> scaler.step(opt)
-        >>> scaler.update()
-        >>> scaler.get_scale()
-        65536.0
+    See ``docs/grad-scaler.md`` for the iteration and ``docs/api.md`` for every method.
     """
 
     __signature__ = SIGNATURE
@@ -129,10 +114,8 @@ class GradScaler:
 
         Returns ``optimizer.step(*args, **kwargs)``'s value, or ``None`` when skipped (nothing
         changed). ``fused=True`` optimizers get ``grad_scale``/``found_inf`` and skip inside their
-        kernel, as with torch (a first step, which creates their state, reads the flag); torch's
-        legacy contract gets ``grad_scaler=self``. A closure (``step(opt, closure)``, calling
-        ``scaler.scale(loss).backward()``) may be evaluated several times (LBFGS, SAM): each
-        evaluation is unscaled and checked; an overflow skips the step and restores everything.
+        kernel, as with torch; a closure's every evaluation is unscaled and checked
+        (``docs/closures.md``).
 
         Raises:
             ScalerStateError: no ``scale()`` yet, or stepped twice.
@@ -201,17 +184,8 @@ class GradScaler:
     def reset_iteration(self) -> None:
         """Abandon the current iteration after an exception: every optimizer is READY again.
 
-        Use it when something raised between ``scale()`` and ``update()`` and the batch is to be
-        skipped: the scale, tracker and counters stay as they were, the gradients are not touched
-        (zero them before the next backward). A no-op between iterations and when disabled.
-
-        Example:
-            >>> import torch, mixprec
-            >>> model, scaler = torch.nn.Linear(2, 1), mixprec.GradScaler()
-            >>> opt = torch.optim.SGD(model.parameters(), lr=0.1)
-            >>> scaler.scale(model(torch.ones(1, 2)).sum()).backward()
-            >>> scaler.unscale_(opt)
-            >>> scaler.reset_iteration()  # e.g. in an ``except`` around the training step
+        The scale, tracker and counters stay as they were and the gradients are not touched (zero
+        them before the next backward). A no-op between iterations and when disabled.
 
         Host sync: none.
         """
@@ -292,45 +266,17 @@ class GradScaler:
         parameters: Iterable[torch.Tensor] | None = None,
         in_step: bool = False,
     ) -> torch.Tensor:
-        """Unscale the optimizer's gradients and clip their total norm, in two passes.
-
-        Does what ``scaler.unscale_(optimizer)`` then ``torch.nn.utils.clip_grad_norm_(params,
-        max_norm, norm_type)`` does, with a pass fewer, and counts as this iteration's
-        ``unscale_``; an inf/NaN gradient makes the norm inf/NaN and the next ``step`` skip.
-        Bit-identical to torch's sequence for a power-of-two scale (the default), ``norm_type``
-        1, 2 or inf and the same summation order (``docs/clipping.md``). With a
-        ``process_group`` or DTensor grads the norm is the global one (one all-reduce).
-
-        Args:
-            optimizer: the optimizer whose gradients are unscaled and clipped.
-            max_norm: the largest total norm kept, a number >= 0.
-            norm_type: ``p`` of the p-norm, > 0, or ``float('inf')``.
-            error_if_nonfinite: raise when the norm is inf/NaN, as torch does (one host sync).
-            parameters: the parameters in the order ``torch.nn.utils.clip_grad_norm_`` would get
-                them, which sets the summation order; their grads must be the optimizer's.
-            in_step: measure the norm now and clip inside the next ``step(optimizer)``: a fused
-                optimizer gets the coefficient folded into its ``grad_scale``. Until then
-                ``.grad`` holds the scaled, unclipped gradients.
-
-        Returns:
-            The total norm of the unscaled gradients before clipping (0-d, on the grads' device).
+        """``unscale_(optimizer)`` then ``torch.nn.utils.clip_grad_norm_``, in two passes, counted
+        as this iteration's ``unscale_``; returns the unscaled norm before clipping (0-d, on the
+        grads' device). ``parameters`` sets torch's summation order; ``in_step=True`` clips
+        inside the next ``step`` (a fused optimizer's ``grad_scale``) and leaves ``.grad``
+        scaled until then. Results and summation order: ``docs/clipping.md``.
 
         Raises:
             ScalerStateError: no ``scale()`` yet, or already unscaled, clipped or stepped.
             LowPrecisionGradError: some gradients are fp16 (names them; nothing is changed).
             ConfigError: a bad ``max_norm``/``norm_type``/``parameters``, or sparse gradients.
             NonFiniteNormError: ``error_if_nonfinite=True`` and the norm is inf/NaN.
-
-        Example:
-            >>> import torch, mixprec
-            >>> model, scaler = torch.nn.Linear(4, 1), mixprec.GradScaler()
-            >>> opt = torch.optim.SGD(model.parameters(), lr=0.1)
-            >>> scaler.scale(model(torch.ones(2, 4)).sum()).backward()
-            >>> norm = scaler.clip_grad_norm_(opt, max_norm=1.0)
-            >>> bool(torch.linalg.vector_norm(model.weight.grad) <= 1.0)
-            True
-            >>> scaler.step(opt)
-            >>> scaler.update()
 
         Host sync: none; one with ``error_if_nonfinite=True``.
         """
@@ -361,7 +307,7 @@ class GradScaler:
         if flags is not None and sharded is None:  # replicated grads under Join: flags only
             self._dist.agree_(found, flags, inv.device)
         deferred = coefficient if in_step else None
-        self._phases.mark_unscaled(record, optimizer, plan.missing, deferred)
+        self._phases.mark_pass(record, optimizer, plan.missing, True, deferred)
         return total
 
     def clip_grad_value_(self, optimizer: _Optimizer, clip_value: float) -> None:
@@ -373,15 +319,6 @@ class GradScaler:
         Raises:
             ScalerStateError, LowPrecisionGradError: as :meth:`clip_grad_norm_`.
             ConfigError: a bad ``clip_value``, or sparse gradients.
-
-        Example:
-            >>> import torch, mixprec
-            >>> model, scaler = torch.nn.Linear(4, 1), mixprec.GradScaler()
-            >>> opt = torch.optim.SGD(model.parameters(), lr=0.1)
-            >>> scaler.scale(model(torch.ones(2, 4)).sum()).backward()
-            >>> scaler.clip_grad_value_(opt, 0.5)
-            >>> float(model.bias.grad.abs().max())
-            0.5
 
         Host sync: none.
         """
@@ -412,9 +349,7 @@ class GradScaler:
         if not self._settings.enabled:
             return torch.zeros((), dtype=torch.bool)
         flag = self._telemetry.skip_flag(optimizer, self._phases.stepped())
-        self._phases.require_step_seen(flag, optimizer)
-        assert flag is not None
-        return flag
+        return self._phases.require_step_seen(flag, optimizer)
 
     def stats(self) -> telemetry.ScalerStats:
         """Counters since creation (or since the loaded state dict) and the current scale; emits
@@ -456,9 +391,7 @@ class GradScaler:
 
     def set_growth_factor(self, new_factor: float) -> None:
         """Set the growth factor (> 1; else ConfigError). Host sync: as :meth:`get_scale`."""
-        settings = self._settings.with_config(growth_factor=new_factor)
-        self._state.values()  # updates that ran unread are replayed with the old settings
-        self._settings = settings
+        self._reconfigure(growth_factor=new_factor)
 
     def get_backoff_factor(self) -> float:
         """The backoff factor. Host sync: none."""
@@ -466,9 +399,7 @@ class GradScaler:
 
     def set_backoff_factor(self, new_factor: float) -> None:
         """Set the backoff factor (in (0, 1); else ConfigError). Host sync: as :meth:`get_scale`."""
-        settings = self._settings.with_config(backoff_factor=new_factor)
-        self._state.values()
-        self._settings = settings
+        self._reconfigure(backoff_factor=new_factor)
 
     def get_growth_interval(self) -> int:
         """The growth interval. Host sync: none."""
@@ -479,9 +410,13 @@ class GradScaler:
         it are capped at one short of it, so the scale grows at the next clean one (torch's kernel
         compares with ``==`` and would not grow for 2**31 iterations). Host sync: as
         :meth:`get_scale`."""
-        settings = self._settings.with_config(growth_interval=new_interval)
-        values, cap = self._state.values(), settings.config.growth_interval - 1
+        self._reconfigure(growth_interval=new_interval)
+        values, cap = self._state.values(), new_interval - 1
         self._state.load(values._replace(growth_tracker=min(values.growth_tracker, cap)))
+
+    def _reconfigure(self, **changes: Any) -> None:
+        settings = self._settings.with_config(**changes)  # (validated before anything changes)
+        self._state.values()  # updates that ran unread are replayed with the old settings
         self._settings = settings
 
     def is_enabled(self) -> bool:

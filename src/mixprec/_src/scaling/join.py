@@ -1,8 +1,5 @@
-"""Uneven inputs: shadow iterations for ``torch.distributed.algorithms.Join``.
-
-Lives with the scaler (``mixprec._src.dist`` knows nothing of it) and drives it through two of its
-private methods (``_join``, ``_shadow_iteration``) and its public API.
-"""
+"""Uneven inputs: shadow iterations for ``torch.distributed.algorithms.Join``, through the
+scaler's ``_join`` and ``_shadow_iteration``."""
 
 from __future__ import annotations
 
@@ -19,17 +16,11 @@ from mixprec.errors import ConfigError
 class JoinableScaler(Joinable):
     """Lets a GradScaler take part in ``torch.distributed.algorithms.Join`` (uneven inputs).
 
-    A rank that runs out of batches stops calling ``update()``; without help its growth counter
-    and scale fall behind the others' (pytorch#90057). Inside ``Join([model, JoinableScaler(s)])``
-    each iteration a joined rank still runs while others train becomes a *shadow iteration*: it
-    takes part in the same all-reduces as a training rank (with 0) and calls ``update()`` with
-    the agreed flag, so scale, growth counter and counters stay identical on every rank. While
-    joined, the scaler agrees on every skip over the join's group even when it has no
-    ``process_group`` (DDP's replicated grads need none otherwise; their clipping norm stays
-    local). List the model first: the first joinable signals the context each iteration, before
-    its own collectives. A shadow iteration replays the all-reduces of the joined rank's last
-    real iteration (one per optimizer: a found-inf MAX, or the norm of
-    ``scaler.clip_grad_norm_``), so every iteration must check the same optimizers the same way.
+    Inside ``Join([model, JoinableScaler(s)])`` (the model first), each iteration a joined rank
+    still runs while others train is a *shadow iteration*: the all-reduces of its last real
+    iteration, with 0, then ``update()`` with the agreed flag, so the scale and counters stay
+    identical on every rank (pytorch#90057); every iteration must check the same optimizers the
+    same way. While joined, skips are agreed over the join's group (``docs/distributed.md``).
 
     Args:
         scaler: the :class:`~mixprec.GradScaler`.
@@ -39,14 +30,6 @@ class JoinableScaler(Joinable):
     Raises:
         ConfigError: torch.distributed is not initialised, or ``scaler`` is not a mixprec
             GradScaler.
-
-    Example:
-        >>> import torch.distributed as dist, mixprec
-        >>> from mixprec.distributed import JoinableScaler
-        >>> dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
-        >>> JoinableScaler(mixprec.GradScaler()).join_process_group is dist.group.WORLD
-        True
-        >>> dist.destroy_process_group()
 
     Host sync: none at construction; a joined rank reads each shadow iteration's flag.
     """

@@ -1,12 +1,7 @@
-"""``scale()`` of nested outputs: which containers are rebuilt, and how.
-
-Tensors are multiplied by the scale on their own device. Lists, tuples and dicts (also
-``OrderedDict``) keep their type, as torch does. A subclass is rebuilt from the scaled values
-(a list subclass from a list, a named tuple from its fields, a ``defaultdict`` from its factory
-and a dict, another mapping from a dict, positionally or by keyword) and kept only if the result
-is of the same type and holds exactly those values (a constructor with keyword fields would
-otherwise put the whole dict in its first field). Any other iterable comes back as a list. What
-cannot be rebuilt is refused with a :class:`~mixprec.errors.ConfigError` naming its type.
+"""``scale()`` of nested outputs. Lists, tuples and dicts keep their type, as in torch; a subclass
+is rebuilt from the scaled values (a named tuple from its fields, a ``defaultdict`` with its
+factory, a mapping positionally or by keyword) and kept only if it is of the same type and holds
+exactly those values; any other iterable comes back as a list; the rest is refused (ConfigError).
 """
 
 from __future__ import annotations
@@ -23,13 +18,7 @@ ScaleOn = Callable[[torch.device], torch.Tensor]
 
 
 def scale_nested(value: Any, scale_on: ScaleOn) -> Any:
-    """``value`` with every tensor multiplied by ``scale_on(tensor.device)``.
-
-    Raises:
-        ConfigError: a leaf is not a tensor, or a container cannot be rebuilt (its type named).
-
-    Host sync: none.
-    """
+    """``value`` with every tensor multiplied by ``scale_on(tensor.device)``. Host sync: none."""
     if isinstance(value, torch.Tensor):
         return value * scale_on(value.device)
     if isinstance(value, Mapping):

@@ -1,16 +1,9 @@
-"""Where a phase changes: each optimizer's phase in the current iteration, and every misuse error.
+"""Each optimizer's phase in the current iteration, and every error about the order of calls.
 
 ``READY --unscale_--> UNSCALED --step--> STEPPED`` and ``READY --step--> STEPPED``; ``update()``
 (or ``reset_iteration()``) puts every optimizer back to READY. :class:`PhaseTable` is the only
-code that assigns a phase, and this module the only one that raises the errors about the order of
-calls (:class:`~mixprec.errors.ScalerStateError`, :class:`~mixprec.errors.MissingGradError`), each
-message saying what happened and what to do instead.
-
-The texts of these messages, and of the fp16-gradient refusal, are the functions at the end.
-
-The table also knows whether ``scale()`` was called in this iteration (the gradients being
-computed are then scaled with the current scale, so a checkpoint must not be loaded), and lends
-a recorder to closures that need to know what ``scale()`` returned.
+code that assigns a phase, and this module the only one that raises ScalerStateError and
+MissingGradError, each message saying what happened and what to do instead.
 """
 
 from __future__ import annotations
@@ -38,23 +31,15 @@ class OptState(enum.Enum):
 
 @dataclass(slots=True)
 class OptimizerRecord:
-    """What the scaler knows about one optimizer in the current iteration.
-
-    Attributes:
-        stage: the optimizer's phase (assigned by :class:`PhaseTable` only).
-        found_inf_per_device: one 0-d float32 tensor per grad device; non-zero means overflow.
-        skipped: whether the last step was skipped, once known on the host (None until then).
-        missing: parameters without a grad when the grads were last checked (for messages).
-        optimizer: a weak reference to the optimizer, for diagnostics.
-        deferred: a clip coefficient that the next step applies (``clip_grad_norm_(...,
-            in_step=True)``): the grads are checked but still scaled and unclipped.
-    """
+    """What the scaler knows about one optimizer in the current iteration."""
 
     stage: OptState = OptState.READY
+    # One 0-d float32 tensor per grad device; non-zero means overflow.
     found_inf_per_device: dict[torch.device, torch.Tensor] = field(default_factory=dict)
-    skipped: bool | None = None
-    missing: list[ParamRef] = field(default_factory=list)
+    skipped: bool | None = None  # whether the step was skipped, once the host knows
+    missing: list[ParamRef] = field(default_factory=list)  # grad-less when last checked
     optimizer: weakref.ref[torch.optim.Optimizer] | None = None
+    # A clip coefficient the next step applies (clip_grad_norm_(..., in_step=True)).
     deferred: torch.Tensor | None = None
 
 
@@ -65,8 +50,6 @@ class PhaseTable:
         self._records: dict[int, OptimizerRecord] = {}
         self._scaled = False
         self._recorder: list[Any] | None = None
-
-    # ------------------------------------------------------------------ queries
 
     def __len__(self) -> int:
         return len(self._records)
@@ -82,16 +65,10 @@ class PhaseTable:
             record = self._records[id(optimizer)] = OptimizerRecord()
         return record
 
-    def records(self) -> list[OptimizerRecord]:
-        """All records of this iteration, in the order the optimizers were first touched."""
-        return list(self._records.values())
-
     def stepped(self) -> list[torch.optim.Optimizer]:
         """The live optimizers stepped or unscaled this iteration."""
         refs = [r.optimizer for r in self._records.values() if r.optimizer is not None]
         return [o for o in (ref() for ref in refs) if o is not None]
-
-    # ------------------------------------------------------------------ transitions
 
     def note_scaled(self, output: Any) -> None:
         """``scale()`` returned ``output``: the iteration has begun."""
@@ -110,9 +87,7 @@ class PhaseTable:
 
     def begin_unscale(self, optimizer: object, what: str = "unscale_") -> OptimizerRecord:
         """The record, after checking that unscaling it (``unscale_``, a clip) is allowed now."""
-        _check_optimizer(optimizer, what)
-        record = self.get(optimizer)
-        record.optimizer = weakref.ref(optimizer)  # type: ignore[arg-type]
+        record = self._touch(optimizer, what)
         prefix = "" if what == "unscale_" else f"{what}() unscales the gradients, so: "
         if record.stage is OptState.UNSCALED:
             raise ScalerStateError(
@@ -133,9 +108,7 @@ class PhaseTable:
         """The record, after checking that ``step`` is allowed now (``scaled``: the scale
         exists, or a closure will create it)."""
         self.require_scale(scaled, "step")
-        _check_optimizer(optimizer, "step")
-        record = self.get(optimizer)
-        record.optimizer = weakref.ref(optimizer)  # type: ignore[arg-type]
+        record = self._touch(optimizer, "step")
         if record.stage is OptState.STEPPED:
             raise ScalerStateError(
                 "step() has already been called on this optimizer since the last update(). "
@@ -150,25 +123,15 @@ class PhaseTable:
         optimizer: torch.optim.Optimizer,
         missing: list[ParamRef],
         unscaled: bool,
-    ) -> None:
-        """A pass over the grads ran (unscaled them, or checked them); remember which
-        parameters had none."""
-        if unscaled:
-            record.stage = OptState.UNSCALED
-            record.deferred = None
-        record.missing = missing
-        record.optimizer = weakref.ref(optimizer)
-
-    def mark_unscaled(
-        self,
-        record: OptimizerRecord,
-        optimizer: torch.optim.Optimizer,
-        missing: list[ParamRef],
         deferred: torch.Tensor | None = None,
     ) -> None:
-        """The grads were clipped (and unscaled), or measured for a deferred clip."""
-        self.mark_pass(record, optimizer, missing, unscaled=True)
-        record.deferred = deferred
+        """A pass over the grads unscaled them (or measured them for a ``deferred`` clip), or
+        checked them; remember which parameters had none."""
+        if unscaled:
+            record.stage = OptState.UNSCALED
+            record.deferred = deferred
+        record.missing = missing
+        record.optimizer = weakref.ref(optimizer)
 
     def mark_stepped(
         self, record: OptimizerRecord, optimizer: torch.optim.Optimizer, skipped: bool | None
@@ -203,8 +166,6 @@ class PhaseTable:
         self._records.clear()
         self._scaled = False
 
-    # ------------------------------------------------------------------ misuse errors
-
     def require_scale(self, exists: bool, method: str) -> None:
         """Refuse ``method`` before the first ``scale()``."""
         if not exists:
@@ -238,7 +199,7 @@ class PhaseTable:
         return combined(flags, device), (overflow if known else None)
 
     def _refuse_empty_update(self) -> NoReturn:
-        records = self.records()
+        records = list(self._records.values())
         if not records:
             raise MissingGradError(
                 "No inf checks were recorded prior to update(): no optimizer was unscaled or "
@@ -294,13 +255,14 @@ class PhaseTable:
             return "an optimizer was already passed to step() or unscale_(), which raised"
         return None
 
-    def require_step_seen(self, flag: Any, optimizer: object | None) -> None:
-        """``last_step_skipped()`` needs a step to report on."""
+    def require_step_seen(self, flag: torch.Tensor | None, optimizer: object) -> torch.Tensor:
+        """``last_step_skipped()``'s flag: there must be a step to report on."""
         if flag is None:
             raise ScalerStateError(
                 "last_step_skipped() was called before any scaler.step() of "
                 + ("this optimizer." if optimizer is not None else "any optimizer.")
             )
+        return flag
 
     def refuse_unscaled_closure(self) -> NoReturn:
         """A closure evaluation returned without calling ``scaler.scale()``."""
@@ -319,24 +281,27 @@ class PhaseTable:
             "a closure for this optimizer."
         )
 
-
-def _check_optimizer(optimizer: object, method: str) -> None:
-    """Refuse a non-optimizer before any record exists for it (a model is the usual mistake)."""
-    if not hasattr(optimizer, "param_groups"):
-        hint = (
-            " Pass the optimizer, not the model." if isinstance(optimizer, torch.nn.Module) else ""
-        )
-        raise ConfigError(
-            f"{method}() expects a torch.optim.Optimizer (an object with param_groups), got "
-            f"{type(optimizer).__name__}.{hint}"
-        )
+    def _touch(self, optimizer: object, method: str) -> OptimizerRecord:
+        """The record, after refusing a non-optimizer (a model is the usual mistake)."""
+        if not hasattr(optimizer, "param_groups"):
+            hint = (
+                " Pass the optimizer, not the model."
+                if isinstance(optimizer, torch.nn.Module)
+                else ""
+            )
+            raise ConfigError(
+                f"{method}() expects a torch.optim.Optimizer (an object with param_groups), got "
+                f"{type(optimizer).__name__}.{hint}"
+            )
+        record = self.get(optimizer)
+        record.optimizer = weakref.ref(optimizer)  # type: ignore[arg-type]
+        return record
 
 
 _MAX_LISTED = 8
 
 
 def describe_params(refs: Sequence[ParamRef]) -> str:
-    """A comma-separated list of at most eight parameters, then a count of the rest."""
     names = [ref.describe() for ref in refs[:_MAX_LISTED]]
     more = len(refs) - len(names)
     if more > 0:
@@ -345,7 +310,6 @@ def describe_params(refs: Sequence[ParamRef]) -> str:
 
 
 def no_scale_message(method: str) -> str:
-    """A method that needs the scale was called before any ``scale()``."""
     return (
         f"{method}() was called before scaler.scale(): the scale does not exist yet. Call "
         "scaler.scale(loss).backward() earlier in the iteration (the scale is created on the "
@@ -354,7 +318,6 @@ def no_scale_message(method: str) -> str:
 
 
 def low_precision_message(refs: Sequence[ParamRef]) -> str:
-    """fp16 gradients cannot be unscaled in place without losing them."""
     return (
         f"Attempting to unscale FP16 gradients of {len(refs)} parameter(s): "
         f"{describe_params(refs)}. Unscaling fp16 gradients in place flushes small values to "
@@ -368,7 +331,6 @@ def low_precision_message(refs: Sequence[ParamRef]) -> str:
 
 
 def no_inf_checks_message(context: str, missing: Sequence[ParamRef], *optimizers: object) -> str:
-    """``step`` or ``update`` found nothing checked for inf/NaN; says why, truly."""
     if missing:
         detail = (
             f"None of the optimizer's {len(missing)} parameter(s) has a .grad: "
@@ -394,8 +356,7 @@ def no_inf_checks_message(context: str, missing: Sequence[ParamRef], *optimizers
 
 
 def combined(found_infs: list[torch.Tensor], device: torch.device) -> torch.Tensor:
-    """Overflow flags of several devices or optimizers combined on ``device`` (non-zero:
-    overflow)."""
+    """Overflow flags of several devices or optimizers combined on ``device``."""
     total = found_infs[0]
     if len(found_infs) == 1 and total.device == device:
         return total  # the common case, without a copy

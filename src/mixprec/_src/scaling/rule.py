@@ -30,19 +30,12 @@ from mixprec._src.scaling.config import INT32_MAX, ScalerConfig, to_f32
 
 
 class Values(NamedTuple):
-    """The scale and its companions as Python numbers (immutable: replaced at each update).
-
-    Attributes:
-        scale: the scale, a float32 value.
-        growth_tracker: clean iterations since the last growth or overflow.
-        overflow_streak: consecutive overflowing iterations; drives hysteresis.
-        counters: ``(iterations, overflows, growths, backoffs)``.
-    """
+    """The scale (a float32 value) and its companions as Python numbers (immutable)."""
 
     scale: float
-    growth_tracker: int = 0
-    overflow_streak: int = 0
-    counters: tuple[int, int, int, int] = (0, 0, 0, 0)
+    growth_tracker: int = 0  # clean iterations since the last growth or overflow
+    overflow_streak: int = 0  # consecutive overflowing iterations (hysteresis)
+    counters: tuple[int, int, int, int] = (0, 0, 0, 0)  # iterations, overflows, growths, backoffs
 
 
 def advance(values: Values, overflow: bool, config: ScalerConfig) -> Values:
@@ -100,28 +93,14 @@ class Tensors:
         return struct.unpack("f", struct.pack("i", scale_bits))[0], tracker, streak
 
 
-def uses_kernel(config: ScalerConfig, device: torch.device) -> bool:
-    """Whether :func:`advance_` runs torch's kernel (which leaves the streak tensor alone)."""
-    return config.is_torch_rule and caps(device).amp_kernels
-
-
 def advance_(
     tensors: Tensors, found_inf: torch.Tensor, config: ScalerConfig, *, clamp: bool = True
 ) -> None:
-    """The device form: the rule applied to ``tensors`` in place (the counters are not kept here).
-
-    Args:
-        tensors: the state to update (all on one device).
-        found_inf: 0-d float32 tensor on that device; any non-zero value (NaN included) is an
-            overflow.
-        config: growth, backoff, interval, bounds and hysteresis.
-        clamp: apply the floor after torch's kernel; the caller may pass False when it knows
-            that one backoff cannot reach the floor. With torch's kernel the streak tensor is
-            not updated (the caller derives the streak from the flags).
-
-    Host sync: none.
-    """
-    if uses_kernel(config, tensors.scale.device):
+    """The device form: the rule applied to ``tensors`` in place, ``found_inf`` non-zero (NaN
+    included) an overflow; no counters. With torch's kernel the streak tensor is left alone (the
+    caller derives it from the flags), and the floor is applied if ``clamp`` (the caller knows
+    when one backoff cannot reach it). Host sync: none."""
+    if config.is_torch_rule and caps(tensors.scale.device).amp_kernels:
         torch._amp_update_scale_(
             tensors.scale,
             tensors.growth_tracker,

@@ -1,21 +1,12 @@
-"""Where the scale is: the one owner of the scale, the growth tracker, the overflow streak and the
-counters.
+"""The one owner of the scale, the growth tracker, the overflow streak and the counters, on one of
+two paths (``docs/internals.md``), chosen when the scale is created:
 
-They live on one of two paths, chosen when the scale is created on its device (``scale()``) and
-changed only when ``torch.compile`` traces an update on the host path (and back on a load):
-
-* the **host path**, where tensors live in host memory (the CPU, ``DeviceCaps.host_memory``):
-  the truth is one immutable :class:`~mixprec._src.scaling.rule.Values`, replaced at each update
-  by the host form of the rule (reading the overflow flag costs no sync there). The scale tensor
-  that ``scale()`` and the kernels use is written when the scale changes (one ``fill_``);
-* the **device path** (every other device, and the CPU once ``torch.compile`` traced an update):
-  the truth is the device tensors, which the device form updates (torch's kernel: one op, no
-  sync). The host keeps the values as of its last read and a :class:`_Log` of the updates since
-  (the iterations' own overflow flags, not copied). The streak, the counters and the host's view
-  of the scale are derived when read (:meth:`ScaleState.values`: one sync), by replaying the host
-  form over the logged flags; the property tests hold both forms to one rule, so reading never
-  changes the trajectory. While the host knows every outcome (a non-fused ``step`` reads the
-  flag anyway) it keeps the values current instead and logs nothing.
+* the host path (tensors in host memory): the truth is one immutable ``Values``, replaced at each
+  update by the host form of the rule; the scale tensor is written when the scale changes;
+* the device path (every other device, and the CPU once ``torch.compile`` traced an update): the
+  truth is the device tensors, updated by the device form; the host keeps the values as last read
+  and a :class:`_Log` of the updates since, and derives the rest when read, by replaying the host
+  form (while the host knows every outcome it keeps the values current and logs nothing).
 """
 
 from __future__ import annotations
@@ -32,13 +23,12 @@ from mixprec.errors import ConfigError
 
 # Backoff products are rounded to float32; shrinking the bound a little more keeps it a bound.
 _ROUNDING_MARGIN = 1.0 - 2.0**-20
-# Logged flags are stacked in groups of this many (one op), and the stacks concatenated when there
-# are as many of them, so an update dispatches at most one extra op and a long run without reads
-# keeps four bytes per update.
+# Logged flags are stacked in groups of this many, and so are the stacks: an update dispatches at
+# most one extra op, and a long run without reads keeps four bytes per update.
 _FOLD = 256
-# Every this many unread updates, the scale is copied to the host without waiting for it (one op):
-# once it has landed it bounds the scale from below again, so that the host rarely has to assume
-# that the scale may be near the floor or below 1 (the clamp, and unscaling in a fused step).
+# Every this many unread updates, the scale is copied to the host without waiting: once landed, it
+# bounds the scale from below again, so the host rarely has to assume a scale near the floor or
+# below 1 (the clamp, and unscaling in a fused step).
 _PROBE = 8
 
 Record = Callable[[int, float, bool], None]
@@ -48,11 +38,10 @@ class _Log:
     """The device path's updates since the host last read the tensors: their overflow flags,
     oldest first, all under one config (the scaler's setters read the log before a change).
 
-    Older flags are kept stacked (``stacks``), the latest as they came (``flags``). Updates traced
-    by ``torch.compile`` append to ``traced`` (a tensor grown by ``torch.cat``: a Python container
-    would make dynamo recompile at every call), which eager code moves on (:meth:`seal`). ``bound``
-    assumes a backoff at every update, unless a probe (an asynchronous copy of the scale, with an
-    event that says when it landed) tells better.
+    Updates traced by ``torch.compile`` append to ``traced``, a tensor (a Python container would
+    make dynamo recompile at every call), which eager code moves on (:meth:`seal`). ``bound``
+    assumes a backoff at every update, unless a probe (a copy of the scale that has landed) tells
+    better.
     """
 
     def __init__(self, bound: float) -> None:
@@ -66,7 +55,7 @@ class _Log:
 
     def add(self, found_inf: torch.Tensor, config: ScalerConfig, scale: torch.Tensor) -> None:
         """Log one update, after torch's kernel ran on ``scale`` (at most one op: a fold, or a
-        probe sent or read). Host sync: none."""
+        probe sent or read)."""
         self.seal()
         factor = config.backoff_factor * _ROUNDING_MARGIN
         self.config, self.count = config, self.count + 1
@@ -87,13 +76,12 @@ class _Log:
         self.flags.append(found_inf)
 
     def trace(self, found_inf: torch.Tensor, config: ScalerConfig) -> None:
-        """Log one update inside ``torch.compile``. Host sync: none."""
         flag = found_inf.reshape(1)
         self.traced = flag if self.traced is None else torch.cat([self.traced, flag])
         self.config = config
 
     def seal(self) -> None:
-        """Move the traced updates behind the others (eager code only). Host sync: none."""
+        """Move the traced updates behind the others (eager code only)."""
         if self.traced is not None:
             self.stacks += [torch.stack(self.flags), self.traced] if self.flags else [self.traced]
             self.count += self.traced.numel()
@@ -112,8 +100,8 @@ class _Log:
 
 
 def _event(tensor: torch.Tensor) -> Any:
-    """An event recorded after the work queued so far on ``tensor``'s device (None on the CPU,
-    whose copies have landed when issued)."""
+    """An event after the work queued on ``tensor``'s device (None on the CPU: copies there have
+    landed when issued)."""
     try:
         event = torch.Event(tensor.device)
         event.record()
@@ -131,11 +119,9 @@ class ScaleState:
         self._log: _Log | None = None  # the device path's updates since `_values` (None: host)
         self._record = record  # told (number, scale used, skipped) of each update, once known
 
-    # ------------------------------------------------------------------ creating, reading
-
     @property
     def scale(self) -> torch.Tensor | None:
-        """The scale tensor (current), or None before the first ``scale()``. Host sync: none."""
+        """The scale tensor, or None before the first ``scale()``. Host sync: none."""
         return None if self._tensors is None else self._tensors.scale
 
     @property
@@ -145,13 +131,8 @@ class ScaleState:
         return self._tensors.scale.device
 
     def materialize(self, device: torch.device) -> Tensors:
-        """The tensors, created on ``device`` (choosing the path) if they do not exist yet.
-
-        Raises:
-            ConfigError: ``device`` is the meta device (the scale would hold no data).
-
-        Host sync: none.
-        """
+        """The tensors, created on ``device`` (choosing the path) if they do not exist yet;
+        ConfigError on the meta device. Host sync: none."""
         if self._tensors is None:
             if device.type == "meta":
                 raise ConfigError(
@@ -178,10 +159,8 @@ class ScaleState:
         return self._tensors.growth_tracker
 
     def values(self) -> Values:
-        """The exact values (derived from the device when updates ran there since the last read).
-
-        Host sync: one on the device path when there are updates to replay.
-        """
+        """The exact values. Host sync: one on the device path when there are updates to
+        replay."""
         if self.read_pending:
             assert self._log is not None and self._tensors is not None
             self._values = self._log.replay(self._values, self._record)
@@ -202,7 +181,7 @@ class ScaleState:
         return scale if scale.device == device else scale.to(device, non_blocking=True)
 
     def inv_scale(self) -> torch.Tensor:
-        """``float32(1 / float64(scale))`` as torch computes it. Host sync: none."""
+        """``float32(1 / float64(scale))``, as torch computes it. Host sync: none."""
         scale = self.scale
         assert scale is not None
         if self._log is None and not torch.compiler.is_compiling():
@@ -218,8 +197,6 @@ class ScaleState:
         if torch.compiler.is_compiling():
             return True
         return not (self._values.scale if self._log is None else self._log.bound) >= 1.0
-
-    # ------------------------------------------------------------------ the writers
 
     def advance(
         self, found_inf: torch.Tensor, overflow: bool | None, config: ScalerConfig
@@ -271,10 +248,3 @@ class ScaleState:
         if self._tensors is not None:
             self._tensors.write(values)
             self._choose_path()
-
-    def __getstate__(self) -> dict[str, Any]:
-        """Only the values travel; tensors are re-created by the next ``scale()``."""
-        return {"values": self.values()}
-
-    def __setstate__(self, state: dict[str, Any]) -> None:
-        self.__init__(state["values"])  # type: ignore[misc]

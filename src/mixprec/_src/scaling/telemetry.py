@@ -1,10 +1,6 @@
 """What a user reads from a scaler besides the scale: skip flags, counters, history, update hooks,
-the warnings and errors about a collapsing scale, and the diagnosis of bad gradients.
-
-The value types (:class:`ScalerStats`, :class:`HistoryEntry`, :class:`UpdateEvent`,
-:class:`Diagnosis`) are public
-through :mod:`mixprec.types`; :class:`Telemetry` is the GradScaler's part that keeps them.
-"""
+the warnings and errors about a collapsing scale, the diagnosis of bad gradients. The value types
+are public through :mod:`mixprec.types` (``docs/api.md``, ``docs/telemetry.md``)."""
 
 from __future__ import annotations
 
@@ -25,22 +21,12 @@ from mixprec.errors import ConfigError, ScaleCollapseError, ScaleCollapseWarning
 
 @dataclass(frozen=True)
 class ScalerStats:
-    """Counters since the scaler was created (or since the state dict it was loaded from).
+    """Counters since the scaler was created (or since the state dict it was loaded from)."""
 
-    Attributes:
-        iterations: calls to ``update()`` that applied the rule.
-        steps_taken: iterations without an inf/NaN gradient.
-        steps_skipped: iterations with one (their optimizer steps were skipped).
-        consecutive_skips: skipped iterations in a row, up to the last one.
-        growths: times the scale grew.
-        backoffs: times the scale shrank.
-        scale: the current scale.
-    """
-
-    iterations: int
-    steps_taken: int
-    steps_skipped: int
-    consecutive_skips: int
+    iterations: int  # calls to update() that applied the rule
+    steps_taken: int  # iterations without an inf/NaN gradient
+    steps_skipped: int  # iterations with one (their optimizer steps were skipped)
+    consecutive_skips: int  # skipped iterations in a row, up to the last one
     growths: int
     backoffs: int
     scale: float
@@ -48,40 +34,26 @@ class ScalerStats:
 
 @dataclass(frozen=True)
 class HistoryEntry:
-    """One iteration of the scale history.
+    """One iteration of the scale history."""
 
-    Attributes:
-        iteration: 1-based number of the update that ended the iteration.
-        scale: the scale used during that iteration (the one its gradients were scaled by).
-        skipped: whether the iteration's optimizer steps were skipped.
-    """
-
-    iteration: int
-    scale: float
+    iteration: int  # 1-based number of the update that ended the iteration
+    scale: float  # the scale its gradients were scaled by
     skipped: bool
 
 
 @dataclass(frozen=True)
 class UpdateEvent:
-    """What an update hook receives: device tensors, nothing read back to the host.
+    """What an update hook receives: device tensors, nothing read back to the host."""
 
-    Attributes:
-        iteration: 1-based number of this update.
-        scale: the scale after the update (0-d float32, the scaler's own tensor: do not modify).
-        found_inf: the iteration's combined overflow flag (0-d float32, non-zero = overflow).
-        skipped: ``found_inf != 0`` (0-d bool).
-    """
-
-    iteration: int
-    scale: torch.Tensor
-    found_inf: torch.Tensor
-    skipped: torch.Tensor
+    iteration: int  # 1-based number of this update
+    scale: torch.Tensor  # after the update (the scaler's own 0-d float32 tensor: do not modify)
+    found_inf: torch.Tensor  # the iteration's combined flag (0-d float32, non-zero = overflow)
+    skipped: torch.Tensor  # found_inf != 0 (0-d bool)
 
 
 class History:
     """The scale each of the last ``capacity`` iterations used and whether it was skipped, in
-    host memory: the scale's state reports each update once it knows it (at once on the host
-    path, when read on the device path)."""
+    host memory, told of each update once the state knows it."""
 
     def __init__(self, capacity: int) -> None:
         self.capacity = capacity
@@ -91,7 +63,6 @@ class History:
         self._first = 1
 
     def record(self, iteration: int, scale: float, skipped: bool) -> None:
-        """One update (``iteration`` its number, ``scale`` the one it used). Host sync: none."""
         if not self._count:
             self._first = iteration
         slot = self._count % self.capacity
@@ -99,7 +70,6 @@ class History:
         self._count += 1
 
     def entries(self) -> list[HistoryEntry]:
-        """Oldest first. Host sync: none."""
         n = min(self._count, self.capacity)
         slots = [(self._count - n + k) % self.capacity for k in range(n)]
         first = self._first + self._count - n
@@ -109,28 +79,9 @@ class History:
         ]
 
 
-def stats_of(values: Values, scale: float | None = None) -> ScalerStats:
-    """The counters of ``values`` as a :class:`ScalerStats` (``scale`` overrides the scale).
-
-    Host sync: none.
-    """
-    iterations, skipped, growths, backoffs = values.counters
-    return ScalerStats(
-        iterations=iterations,
-        steps_taken=iterations - skipped,
-        steps_skipped=skipped,
-        consecutive_skips=values.overflow_streak,
-        growths=growths,
-        backoffs=backoffs,
-        scale=values.scale if scale is None else scale,
-    )
-
-
 class Telemetry:
-    """What users read besides the scale: skip flags, history, update hooks, collapse checks.
-
-    Everything stays on the device until read.
-    """
+    """The GradScaler's part that keeps skip flags, history and hooks and watches for a collapse;
+    flags stay on the device until read."""
 
     # An OrderedDict because torch's RemovableHandle keeps a weak reference to it.
     hooks: OrderedDict[int, Callable[[Any, UpdateEvent], None]]
@@ -144,16 +95,14 @@ class Telemetry:
 
     def stats(self, values: Values, unseen: bool, enabled: bool) -> ScalerStats:
         """The scaler's :class:`ScalerStats`, with the collapse warnings that ``update()`` could
-        not emit when the host did not know the values (``unseen``). Host sync: none."""
-        if not enabled:
-            return stats_of(values, scale=1.0)
-        stats = stats_of(values)
-        if unseen:
-            self.watch(stats.scale, stats.consecutive_skips, None, list, may_raise=False)
-        return stats
+        not emit when the host did not know the values (``unseen``)."""
+        n, skipped, growths, backoffs = values.counters
+        streak, scale = values.overflow_streak, values.scale if enabled else 1.0
+        if enabled and unseen:
+            self.watch(scale, streak, None, list, may_raise=False)
+        return ScalerStats(n, n - skipped, skipped, streak, growths, backoffs, scale)
 
     def register(self, hook: Callable[[Any, UpdateEvent], None]) -> RemovableHandle:
-        """Call ``hook(scaler, event)`` after every rule update. Host sync: none."""
         if not callable(hook):
             raise ConfigError(f"hook must be callable, got {type(hook).__name__}.")
         handle = RemovableHandle(self.hooks)
@@ -161,14 +110,13 @@ class Telemetry:
         return handle
 
     def note_step(self, optimizer: object, found_inf: torch.Tensor) -> None:
-        """Remember ``optimizer``'s overflow flag (non-zero: skipped). Host sync: none."""
         self._step_skips[id(optimizer)] = found_inf
 
     def skip_flag(
         self, optimizer: object | None, stepped: list[torch.optim.Optimizer]
     ) -> torch.Tensor | None:
         """The skip flag of ``optimizer`` (or of this iteration's ``stepped`` optimizers, else
-        of the last iteration), or None when there is none. Host sync: none."""
+        of the last iteration), or None when there is none."""
         if optimizer is not None:
             flag = self._step_skips.get(id(optimizer))
         else:
@@ -186,8 +134,7 @@ class Telemetry:
         limit: int | None,
         optimizers: Callable[[], list[torch.optim.Optimizer]],
     ) -> None:
-        """Call the hooks, then :meth:`watch` the values if known. Host sync: none (hooks may;
-        one to name parameters when it warns or raises)."""
+        """Call the hooks, then :meth:`watch` the values if known."""
         self._last_iteration = total
         if self.hooks:
             event = UpdateEvent(iteration, scale, total, total != 0)
@@ -211,15 +158,15 @@ class Telemetry:
             return  # the common case, in one test
         if may_raise and limit is not None and streak >= limit:
             what = f"{streak} consecutive iterations overflowed"
-            raise ScaleCollapseError(_collapse_text(what, scale, streak, optimizers()))
+            raise ScaleCollapseError(_collapse_message(what, scale, streak, optimizers()))
         if scale < 1.0 and "below_one" not in self._warned:
             self._warned.add("below_one")
             what = "The loss scale fell below 1: gradients are being scaled down, not up"
-            _warn(_collapse_text(what, scale, streak, optimizers()))
+            _warn(_collapse_message(what, scale, streak, optimizers()))
         if streak >= SKIP_WARNING and "streak" not in self._warned:
             self._warned.add("streak")
             what = f"{streak} consecutive iterations were skipped"
-            _warn(_collapse_text(what, scale, streak, optimizers()))
+            _warn(_collapse_message(what, scale, streak, optimizers()))
 
     def __getstate__(self) -> dict[str, Any]:
         # Hooks may be lambdas and the skip flags are keyed by object ids of this process.
@@ -229,30 +176,16 @@ class Telemetry:
 
 
 _MAX_NAMED = 8  # non-finite parameters named in a collapse message
-
-#: Consecutive skipped iterations after which a warning is emitted (once).
-SKIP_WARNING = 50
+SKIP_WARNING = 50  # consecutive skipped iterations that warn (once)
 
 
 def _warn(message: str) -> None:
     warnings.warn(message, ScaleCollapseWarning, stacklevel=5)
 
 
-def _collapse_text(
-    what: str, scale: float, streak: int, optimizers: list[torch.optim.Optimizer]
-) -> str:
-    diagnosis = diagnose_optimizers(optimizers) if optimizers else None
-    return collapse_message(what, scale, streak, diagnosis)
-
-
 @dataclass(frozen=True)
 class Diagnosis:
-    """Parameters whose gradients are non-finite or missing, by optimizer.
-
-    Attributes:
-        non_finite: names (or positions) of parameters whose grad holds inf or NaN.
-        missing: names (or positions) of parameters without a grad.
-    """
+    """Parameters (names, else positions) whose gradients are non-finite or missing."""
 
     non_finite: list[str]
     missing: list[str]
@@ -292,8 +225,11 @@ def diagnose_optimizers(optimizers: Iterable[torch.optim.Optimizer]) -> Diagnosi
     return Diagnosis(non_finite=bad, missing=missing)
 
 
-def collapse_message(what: str, scale: float, skips: int, diagnosis: Diagnosis | None) -> str:
+def _collapse_message(
+    what: str, scale: float, skips: int, optimizers: list[torch.optim.Optimizer]
+) -> str:
     """Why training stopped making progress, and what usually causes it."""
+    diagnosis = diagnose_optimizers(optimizers) if optimizers else None
     offenders = "The parameters could not be inspected (their optimizers are gone)."
     if diagnosis is not None and diagnosis.non_finite:
         offenders = (
