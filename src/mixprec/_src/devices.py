@@ -30,7 +30,7 @@ class DeviceCaps:
             ``_amp_update_scale_`` have kernels here (else the general path computes the same).
         fused_optimizers: torch's ``fused=True`` optimizers run here.
         fp8_scaled_mm: ``torch._scaled_mm`` is a fast kernel here (on the CPU it is oneDNN's
-            reference kernel, thousands of times slower than emulation: never use it there).
+            reference kernel, far slower than emulation: never use it there).
             Whether a given device of this type supports fp8 is a further runtime check.
         block_scaled_mm: ``torch.nn.functional.scaled_mm`` takes block scales here (MXFP8's
             1x32 E8M0 scales, NVFP4's 1x16 E4M3 scales with a tensor scale, 1x128 and 128x128

@@ -60,7 +60,7 @@ def write_figure(results: list[RunResult], path: Path) -> Path:
     Raises:
         PlotUnavailable: matplotlib is missing.
     """
-    fig = _figure_class()(figsize=(14, 12.5))  # fixed margins: constrained layout costs ~1 s
+    fig = _figure_class()(figsize=(14, 12.5))  # fixed margins: constrained layout is slow
     _, low, scaled = results
     fig.suptitle(headline(results), fontsize=14, fontweight="bold", y=0.985)
     grid = fig.add_gridspec(

@@ -17,13 +17,13 @@ A third way (``defer=True``) only measures: the caller folds the clip coefficien
 optimizer's ``grad_scale``, so the grads are read once for the norm and once by the optimizer, or
 (a non-fused step) multiplies by ``coefficient / scale`` with the unscale kernel.
 
-Implementation choice per device type (measured with ``benchmarks/run.py``, CPU, 2 threads; the
-device types are columns of :mod:`mixprec._src.devices`):
+Implementation choice per device type (the device types are columns of
+:mod:`mixprec._src.devices`; the measurements behind it: ``docs/performance.md``):
 
 * Norms: ``torch._foreach_norm`` on every device for finite ``p``. For ``p = inf`` the CPU uses
-  ``torch.aminmax`` per tensor (``max(max, -min)``, NaN-propagating like the norm): 100M fp32
-  elements take ~12 ms against ~130 ms for ``_foreach_norm(..., inf)``, whose CPU kernel is not
-  vectorised. CUDA keeps ``_foreach_norm`` (one multi-tensor launch for all tensors).
+  ``torch.aminmax`` per tensor (``max(max, -min)``, NaN-propagating like the norm), because the
+  CPU kernel of ``_foreach_norm(..., inf)`` is not vectorised. CUDA keeps ``_foreach_norm`` (one
+  multi-tensor launch for all tensors).
 * Multiply: on CPU and CUDA, fp32 groups go through
   ``torch._amp_foreach_non_finite_check_and_unscale_`` (the same product as ``_foreach_mul_``,
   faster per tensor on the CPU, and it flags non-finite *scaled* grads for free, which is exactly
@@ -31,10 +31,9 @@ device types are columns of :mod:`mixprec._src.devices`):
   take the overflow flag from the norm (non-finite norm <=> some grad is non-finite).
 * Value clipping: unscale + check (:func:`mixprec._src.kernels.unscale.unscale_grads_`), then the
   clamp. On the CPU, tensors of more than 32768 elements on average get one ``clamp_`` each (one
-  pass; 4 x 5M elements: ~45-100 ms against ~100-170 ms for ``_foreach_clamp_min_`` +
-  ``_foreach_clamp_max_``, which are two passes), smaller ones the two foreach clamps (2,000 x
-  1,000 elements: ~3-18 ms against ~16-26 ms, per-call overhead dominating). Elsewhere the two
-  foreach clamps (one launch each on CUDA).
+  pass, against two for ``_foreach_clamp_min_`` + ``_foreach_clamp_max_``), smaller ones the two
+  foreach clamps (where the per-call overhead dominates). Elsewhere the two foreach clamps (one
+  launch each on CUDA).
 """
 
 from __future__ import annotations

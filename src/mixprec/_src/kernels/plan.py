@@ -236,8 +236,8 @@ _DEVICE = operator.attrgetter("device")
 def _build_plan(optimizer: torch.optim.Optimizer, grads: list | None) -> GradPlan:
     """The plan, without a per-parameter Python loop when every grad is dense and alike.
 
-    Each test is one C-level ``map`` (about 50 ns per grad): sparse (which also fails on a
-    missing grad), dtype, device (``is_cpu`` first: creating device objects costs twice as much).
+    Each test is one C-level ``map``: sparse (which also fails on a missing grad), dtype, device
+    (``is_cpu`` first: it creates no device objects).
     """
     if grads:
         try:
@@ -274,10 +274,9 @@ def _build_plan_slow(optimizer: torch.optim.Optimizer) -> GradPlan:
 
 # On the CPU a range of at most this many elements is handed to the kernels as pieces of
 # _PIECE elements, which torch runs on the calling thread (TensorIterator opens a parallel region
-# only above 32768 elements). Measured on the 2-core test machine, 2M fp32 elements unscale+check:
-# one parallel op 0.12 ms when the machine is idle but ~26 ms (median) when other processes keep
-# the cores busy (the op waits for its second thread to be scheduled), against 0.3-0.7 ms for the
-# pieces in both cases. Above 4M elements one thread is too slow to give up the parallel region.
+# only above 32768 elements): a parallel op waits for its second thread to be scheduled, which on
+# a loaded machine costs far more than the work (docs/performance.md). Above it, one thread is too
+# slow to give up the parallel region.
 SEQUENTIAL_MAX_NUMEL = 1 << 22
 _PIECE = 32768
 

@@ -1,26 +1,20 @@
 """Unscale + non-finite check: one pass per (device, dtype) group where the device has a kernel.
 
-Implementation choice per device type (measured with ``benchmarks/run.py``, torch 2.13, CPU, 2
-threads; GPU figures come from ``benchmarks/gpu_check.py``):
+Implementation choice per device type (the measurements behind it: ``docs/performance.md``):
 
 * CPU and CUDA: ``torch._amp_foreach_non_finite_check_and_unscale_``, the fused kernel torch uses
-  (one read and one write of each grad; multi-tensor-apply on CUDA). On the CPU it costs 1.0x to
-  1.2x a plain ``_foreach_mul_`` on big tensors (100M elements, 2 threads: 14.5 ms against
-  15.2 ms on an idle box, 26.0 ms against 24.1 ms on a busier one; its per-element finiteness
-  test makes it compute-bound at one thread, 1.2x) and beats ``_foreach_mul_`` on many small
-  ones (2,000 x 1,000 elements: 0.8 ms against 1.0 ms), so it is also what
-  :mod:`mixprec._src.kernels.clip` multiplies with. A compiled (inductor) multiply-and-check was
-  slower (two passes: 50 ms for the 100M elements). It
-  tests each *input* value, so it misses an overflow produced by the multiply itself, which is
-  only possible when the scale is below 1 (``1/scale > 1``). In that case, and only then, a
-  second, checking pass runs over the unscaled values (``check_output=True``).
+  (one read and one write of each grad; multi-tensor-apply on CUDA). On the CPU it is about as
+  fast as a plain ``_foreach_mul_`` on big tensors and faster on many small ones, so it is also
+  what :mod:`mixprec._src.kernels.clip` multiplies with; a compiled (inductor) multiply-and-check
+  makes two passes. It tests each *input* value, so it misses an overflow produced by the multiply
+  itself, which is only possible when the scale is below 1 (``1/scale > 1``). In that case, and
+  only then, a second, checking pass runs over the unscaled values (``check_output=True``).
 * Other devices: ``torch._foreach_mul_`` then an ``isfinite`` reduction of the *outputs*, which
   catches both kinds of overflow.
 * Which devices have the fused kernel is a column of :mod:`mixprec._src.devices`
   (``amp_kernels``).
 * Every device: a group whose grads tile contiguous ranges (see :mod:`mixprec._src.kernels.flat`) is
-  passed as those ranges, which removes the per-tensor cost (2,000 x 1,000 elements on the CPU:
-  ~0.3 ms for the range, cut in 32768-element pieces, against ~0.8 ms per tensor).
+  passed as those ranges, which removes the per-tensor cost.
 """
 
 from __future__ import annotations
