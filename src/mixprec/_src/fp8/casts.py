@@ -16,7 +16,7 @@ from typing import NamedTuple
 import torch
 
 from mixprec._src.devices import caps
-from mixprec._src.fp8.formats import MODES, clamped, factor, fmt_max, hadamard
+from mixprec._src.fp8.formats import MODES, clamped, factor, fmt_max, hadamard, widen
 from mixprec._src.fp8.recipes import Cast
 
 _DIVIDES = ("amax", "pow2")  # torchao.float8 dequantizes by dividing by its scale
@@ -91,7 +91,7 @@ def dequantize(q: Quantized, cast: Cast) -> torch.Tensor:
     """
     rows, cols = q.codes.shape
     br, bc = q.block
-    c4 = q.codes.reshape(rows // br, br, cols // bc, bc).to(torch.float32)
+    c4 = widen(q.codes).reshape(rows // br, br, cols // bc, bc)
     if cast.scale in _DIVIDES:
         c4 = c4.div_(q.scale)
     else:
@@ -136,7 +136,7 @@ def cast_stats(
     rows, cols = src.shape
     br, bc = q.block
     x4 = src.reshape(rows // br, br, cols // bc, bc)
-    mag = q.codes.reshape(x4.shape).to(torch.float32).abs()
+    mag = widen(q.codes).reshape(x4.shape).abs()
     saturated = (mag == fmt_max(cast.dtype)).sum()
     flushed = ((mag == 0) & (x4 != 0) & torch.isfinite(q.amax)).sum()
     nonfinite = (~torch.isfinite(src)).sum() if count_nonfinite else torch.zeros_like(saturated)

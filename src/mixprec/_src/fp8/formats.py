@@ -74,6 +74,31 @@ def _amax_div(x4: torch.Tensor, a: torch.Tensor, cast: Cast, gen: object) -> Mod
     return (x4 / scale).to(cast.dtype), scale, None
 
 
+def widen(codes: torch.Tensor) -> torch.Tensor:
+    """The fp32 values of fp8 codes (e4m3 or e5m2; fp4 values are held in e4m3), bit for bit
+    ``codes.to(torch.float32)`` (NaN included), through fp16 bit operations: torch's CPU
+    conversion from e4m3 is a scalar loop, these are vectorized. An e5m2 code is the top byte of
+    the fp16 of the same value; an e4m3 one's exponent and mantissa bits are fp16's shifted by 7,
+    which is the value divided by 2**8 (the exponent biases differ by 8; e4m3 subnormals land
+    on fp16 subnormals), with the NaN codes (``S.1111.111``) given fp16's all-ones exponent.
+
+    Example:
+        >>> codes = torch.tensor([0.0, -1.5, 448.0, 2.0**-9]).to(torch.float8_e4m3fn)
+        >>> widen(codes).tolist()
+        [0.0, -1.5, 448.0, 0.001953125]
+
+    Host sync: none.
+    """
+    u = codes.view(torch.uint8).to(torch.int16)
+    if codes.dtype == torch.float8_e5m2:
+        return (u << 8).view(torch.float16).to(torch.float32)
+    assert codes.dtype == E4M3, codes.dtype
+    mag = u & 0x7F
+    nan = ((mag + 1) >> 7) << 14  # 0x4000 where mag == 0x7F: fp16's exponent all ones
+    bits = (mag << 7) | ((u & 0x80) << 8) | nan
+    return bits.view(torch.float16).to(torch.float32).mul_(256.0)
+
+
 def e8m0_exponent(a: torch.Tensor, cast: Cast) -> torch.Tensor:
     """The biased E8M0 exponent (uint8) of each block: ``ceil(log2(amax / fmt_max))`` + 127,
     clamped to the format (RCEIL); 255 for a NaN amax, 254 for an inf one.
@@ -99,7 +124,7 @@ def _e8m0(x4: torch.Tensor, a: torch.Tensor, cast: Cast, gen: object) -> Modes:
     nan = torch.full_like(normal, float("nan"))
     rcp = torch.where(e == 255, nan, torch.where(e == 254, 2.0**-127, normal))
     m = fmt_max(cast.dtype)
-    return torch.clamp(x4 * rcp, -m, m).to(cast.dtype), e, None
+    return (x4 * rcp).clamp_(-m, m).to(cast.dtype), e, None
 
 
 def e8m0_value(e: torch.Tensor) -> torch.Tensor:
@@ -120,7 +145,7 @@ def _nvfp4(x4: torch.Tensor, a: torch.Tensor, cast: Cast, gen: torch.Generator |
     block = (a.to(torch.float32) / E2M1_MAX) / tensor_scale
     block8 = torch.clamp(block, min=E4M3_TINY, max=E4M3_MAX).to(E4M3)
     rcp = (1.0 / tensor_scale) / block8.to(torch.float32)
-    v = torch.clamp(x4 * rcp, -E2M1_MAX, E2M1_MAX)
+    v = (x4 * rcp).clamp_(-E2M1_MAX, E2M1_MAX)
     codes = round_e2m1(v, stochastic=cast.stochastic, gen=gen)
     return codes.to(E4M3), block8, tensor_scale
 
