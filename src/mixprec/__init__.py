@@ -20,6 +20,7 @@ from mixprec._src.autocast.policy import Policy, policy_table
 from mixprec._src.autocast.region import autocast
 from mixprec._src.autocast.rules import Rule
 from mixprec._src.dist.norms import distributed_clip_grad_norm_
+from mixprec._src.fp8.matmul import matmul_path
 from mixprec._src.fp8.stats import Fp8Stats
 from mixprec._src.kernels.flat import flatten_grads
 from mixprec._src.master import MasterWeights
@@ -49,6 +50,7 @@ __all__ = [
     "errors",
     "find_nonfinite",
     "flatten_grads",
+    "matmul_path",
     "plot",
     "policy_table",
     "types",
