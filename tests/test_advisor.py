@@ -344,3 +344,16 @@ def test_fp8_isolated_figures_agree_with_torchao() -> None:
         twin[int(row.name)] = Float8Linear.from_float(twin[int(row.name)], config=config)
         oracle = _sqnr(_grads(twin, batch), ref)
         assert row.measurements[0].model_grad_sqnr == pytest.approx(oracle, abs=0.3), row.name
+
+
+def test_the_prediction_line_says_what_an_infinite_region_sqnr_means() -> None:
+    """An infinite SQNR of the region with every measured module in fp32: those ops added no
+    error (it printed "the ops between the measured modules alone: inf dB")."""
+    import doctest
+
+    from mixprec._src.advisor import table
+
+    assert "no measurable error" in table.between(float("inf"))
+    assert "inf" not in table.between(float("inf"))
+    assert table.between(66.6).endswith("every module in fp32: 66.6 dB")
+    assert doctest.testmod(table).failed == 0

@@ -210,9 +210,22 @@ def _prediction(advice: Advice) -> str:
     )
     return (
         f"predicted:   {fmt_db(advice.predicted_sqnr)} dB whole-model gradient SQNR, "
-        f"{len(advice.kept)} kept in {advice.kept_precision}{status}; the ops between the "
-        f"measured modules alone: {fmt_db(advice.region_sqnr)} dB"
+        f"{len(advice.kept)} kept in {advice.kept_precision}{status}; {between(advice.region_sqnr)}"
     )
+
+
+def between(region_sqnr: float) -> str:
+    """What the ops between the measured modules cost, in words (an infinite SQNR: nothing).
+
+    Example:
+        >>> between(float("inf"))
+        'the ops between the measured modules add no measurable error'
+        >>> between(66.6)
+        'the ops between the measured modules, every module in fp32: 66.6 dB'
+    """
+    if math.isinf(region_sqnr) and region_sqnr > 0:
+        return "the ops between the measured modules add no measurable error"
+    return f"the ops between the measured modules, every module in fp32: {fmt_db(region_sqnr)} dB"
 
 
 def _model_check(advice: Advice) -> list[str]:

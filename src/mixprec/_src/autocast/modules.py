@@ -24,6 +24,8 @@ such as ``nn.ModuleList`` or ``nn.ModuleDict``), each of which gets the containe
 the global hooks apply the rule themselves; the rule comes from :func:`_compiled_rule`, which Dynamo
 runs eagerly at trace time (``assume_constant_result``) and guards on the identity of its arguments,
 the module and the region's policy: another policy recompiles or takes another cached graph.
+Dynamo never compiles a hook on its own (:func:`.native.never_compiled_alone`): where it skips
+torch's frames (``model.compile()`` of a torch.nn container), the hooks run eagerly with the model.
 """
 
 from __future__ import annotations
@@ -40,7 +42,7 @@ from torch.overrides import TorchFunctionMode
 
 from mixprec._src.autocast import fp8
 from mixprec._src.autocast.casting import cast_tree, cast_value, first_floating_dtype
-from mixprec._src.autocast.native import backward_autocast_off_while_tracing
+from mixprec._src.autocast.native import backward_autocast_off_while_tracing, never_compiled_alone
 from mixprec._src.autocast.policy import Policy
 from mixprec._src.autocast.rules import Rule, compute_dtype, output_dtype
 from mixprec.errors import ConfigError
@@ -305,6 +307,7 @@ def detach_hooks(module: nn.Module) -> int:
 
 
 # ---------------------------------------------------------------- global hooks
+@never_compiled_alone
 def _global_pre(module: nn.Module, args: Any) -> Any:
     tls = TLS
     if not tls.frames or isinstance(module, GraphModule):  # compiler artifacts are not model code
@@ -332,6 +335,7 @@ def _global_pre(module: nn.Module, args: Any) -> Any:
     return None
 
 
+@never_compiled_alone
 def _global_post(module: nn.Module, args: Any, output: Any) -> Any:
     tls = TLS
     if not tls.frames or isinstance(module, GraphModule):
@@ -386,6 +390,7 @@ class _TracedRegion(TorchFunctionMode):
         super().__init__()
         self.device_type, self.dtype, self.enabled = device_type, dtype, enabled
 
+    @never_compiled_alone
     def __torch_function__(
         self,
         func: Any,
@@ -401,8 +406,10 @@ class _TracedRegion(TorchFunctionMode):
 def _traced_state(device_type: str) -> tuple[bool, torch.dtype]:
     """The autocast state the innermost traced rule set (the native state outside any)."""
     for entry in reversed(TLS.applied):
-        if entry is not None:
+        if entry is not None and len(entry) == 5:
             return entry[3]
+        if entry is not None:
+            break  # an eager rule (a graph break inside its module): it set the native state
     return torch.is_autocast_enabled(device_type), torch.get_autocast_dtype(device_type)
 
 
@@ -444,6 +451,8 @@ def _traced_pre(module: nn.Module, policy: Policy, frame: Frame, args: Any) -> A
 def _traced_post(module: nn.Module, policy: Policy, frame: Frame, output: Any) -> Any:
     if not isinstance(_compiled_rule(module, policy), tuple):
         return None
+    if not TLS.applied or (TLS.applied[-1] is not None and len(TLS.applied[-1]) != 5):
+        return None  # not an entry of _traced_pre's (an eager one, after a graph break)
     entry = TLS.applied.pop()
     if entry is None:
         return None
@@ -469,6 +478,7 @@ def _rule_active(rec: _Record) -> bool:
     return False
 
 
+@never_compiled_alone
 def _instance_pre(
     module: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any]
 ) -> tuple[tuple[Any, ...], dict[str, Any]] | None:
@@ -514,6 +524,7 @@ def _enter_rule(
     return saved, args, kwargs
 
 
+@never_compiled_alone
 def _instance_post(
     module: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any], output: Any
 ) -> Any:

@@ -31,7 +31,8 @@ from __future__ import annotations
 
 import functools
 import warnings
-from typing import Any
+from collections.abc import Callable
+from typing import Any, TypeVar
 
 import torch
 
@@ -45,6 +46,9 @@ LOW_PRECISION_DTYPES: tuple[torch.dtype, ...] = (torch.float16, torch.bfloat16)
 
 #: Device-type strings already validated (the fast path of a region built every step).
 VALIDATED_DEVICE_TYPES: set[object] = set()
+
+
+_F = TypeVar("_F", bound=Callable[..., Any])
 
 
 def default_device_type() -> str:
@@ -338,6 +342,37 @@ def restore_backward_autocast() -> None:
         import torch._functorch.config as functorch_config
 
         functorch_config.backward_pass_autocast = _BACKWARD_SAVED.pop()
+
+
+def never_compiled_alone(fn: _F) -> _F:
+    """Mark a hook torch calls (a module hook, a mode's ``__torch_function__``): Dynamo never
+    compiles a frame of it, nor of what it calls, on its own; it still inlines it into the code it
+    traces (a compiled model's forward), where it takes its ``is_compiling()`` branch.
+
+    Dynamo compiles each Python frame that runs while a compiled call is active and is not torch's
+    own code: a hook called by a module's ``_call_impl`` that Dynamo skipped (``model.compile()``
+    on a torch.nn container, the parts around a graph break) would otherwise be compiled by itself,
+    take the traced branch outside of any graph, and keep one cache entry per module type it saw,
+    until the recompile limit makes every later call reuse a stale one. Costs nothing outside a
+    compiled call (it is a flag on the code object). Returns ``fn``.
+
+    Example:
+        >>> never_compiled_alone(len) is len
+        True
+
+    Host sync: none.
+    """
+    code = getattr(fn, "__code__", None)
+    if code is not None:
+        from torch._C._dynamo.eval_frame import (
+            _FrameAction,
+            _FrameExecStrategy,
+            set_code_exec_strategy,
+        )
+
+        skip = _FrameAction.SKIP
+        set_code_exec_strategy(code, _FrameExecStrategy(skip, skip))
+    return fn
 
 
 # ---------------------------------------------------------------- op lists

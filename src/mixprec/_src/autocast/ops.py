@@ -36,7 +36,7 @@ from mixprec._src.autocast.casting import (
     promote_dtype,
     run_without_autocast,
 )
-from mixprec._src.autocast.native import backward_autocast_off_while_tracing
+from mixprec._src.autocast.native import backward_autocast_off_while_tracing, never_compiled_alone
 from mixprec._src.autocast.rules import Rule
 
 # ---------------------------------------------------------------- checkpoint replay
@@ -173,6 +173,7 @@ class OpRuleMode(TorchFunctionMode):
         # The checkpoint whose forward creates this mode (its recompute creates it again).
         self.home = None if torch.compiler.is_compiling() else current_checkpoint()
 
+    @never_compiled_alone
     def __torch_function__(
         self,
         func: Callable[..., Any],
