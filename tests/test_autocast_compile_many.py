@@ -166,3 +166,38 @@ def test_what_a_fresh_model_of_the_same_class_costs(
             model(x)
         found.append(counters["stats"]["unique_graphs"] - before)
     assert found == want
+
+
+class Blocks(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        torch.manual_seed(0)
+        self.blocks = nn.ModuleList(nn.Linear(16, 16) for _ in range(3))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        for block in self.blocks:
+            x = block(x).relu()
+        return x
+
+
+@pytest.mark.parametrize("style", ["model.compile()", "torch.compile(model)"])
+def test_compiled_rules_follow_swapped_and_dropped_blocks(style: str) -> None:
+    """Why module rules are guarded on instances (docs/autocast.md): a name rule belongs to the
+    block that sits at that name now, in the compiled model as in the eager one."""
+    torch._dynamo.reset()
+    eager, x = Blocks(), torch.randn(4, 16)
+    model = Blocks()
+    compiled: nn.Module = model
+    if style == "model.compile()":
+        model.compile(backend="aot_eager")
+    else:
+        compiled = torch.compile(model, backend="aot_eager")
+    policy = Policy("blocks.0=fp32, blocks.1=fp16")
+    for step in range(4):
+        want = forward_backward(eager, x, policy)
+        assert_bitwise(forward_backward(compiled, x, policy), want, f"{style} step {step}")
+        for net in (eager, model):
+            if step == 2:
+                net.blocks = net.blocks[1:]  # drop the first block
+            else:
+                net.blocks = nn.ModuleList([net.blocks[1], net.blocks[0], *net.blocks[2:]])
