@@ -89,13 +89,17 @@ def widen(codes: torch.Tensor) -> torch.Tensor:
 
     Host sync: none.
     """
-    u = codes.view(torch.uint8).to(torch.int16)
+    if torch.compiler.is_compiling():  # inductor's own conversion is vectorized
+        return codes.to(torch.float32)
+    bits = codes.view(torch.uint8).to(torch.int16)
     if codes.dtype == torch.float8_e5m2:
-        return (u << 8).view(torch.float16).to(torch.float32)
+        return bits.bitwise_left_shift_(8).view(torch.float16).to(torch.float32)
     assert codes.dtype == E4M3, codes.dtype
-    mag = u & 0x7F
-    nan = ((mag + 1) >> 7) << 14  # 0x4000 where mag == 0x7F: fp16's exponent all ones
-    bits = (mag << 7) | ((u & 0x80) << 8) | nan
+    # In place on two buffers (each intermediate tensor is one more allocation and pass).
+    mag = bits & 0x7F
+    bits.bitwise_and_(0x80).bitwise_left_shift_(8)  # the sign, fp16's bit 15
+    bits.bitwise_or_(mag.bitwise_left_shift_(7))  # exponent and mantissa
+    bits.bitwise_or_(mag.add_(0x80).bitwise_and_(0x4000))  # NaN (0x3F80): exponent all ones
     return bits.view(torch.float16).to(torch.float32).mul_(256.0)
 
 
