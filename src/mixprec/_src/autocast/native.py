@@ -363,15 +363,11 @@ def never_compiled_alone(fn: _F) -> _F:
     Host sync: none.
     """
     code = getattr(fn, "__code__", None)
-    if code is not None:
-        from torch._C._dynamo.eval_frame import (
-            _FrameAction,
-            _FrameExecStrategy,
-            set_code_exec_strategy,
-        )
-
-        skip = _FrameAction.SKIP
-        set_code_exec_strategy(code, _FrameExecStrategy(skip, skip))
+    frames: Any = getattr(getattr(torch._C, "_dynamo", None), "eval_frame", None)
+    strategy = getattr(frames, "set_code_exec_strategy", None)
+    if code is not None and strategy is not None:  # older torch (no per-code strategy): unmarked
+        skip = frames._FrameAction.SKIP
+        strategy(code, frames._FrameExecStrategy(skip, skip))
     return fn
 
 
