@@ -1,0 +1,47 @@
+"""benchmarks/fp8_gpt_gap.py runs end to end on a tiny configuration (a smoke test: the figures
+of docs/fp8.md come from its full run; nothing here checks one machine's digits)."""
+
+from __future__ import annotations
+
+import importlib.util
+import math
+from pathlib import Path
+
+import pytest
+
+SCRIPT = Path(__file__).resolve().parent.parent / "benchmarks" / "fp8_gpt_gap.py"
+
+
+def _load():
+    spec = importlib.util.spec_from_file_location("fp8_gpt_gap", SCRIPT)
+    assert spec is not None and spec.loader is not None
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def test_the_table_has_every_configuration_and_the_advised_policy(
+    capsys: pytest.CaptureFixture[str],
+) -> None:
+    gap = _load()
+    argv = ["--steps", "2", "--seeds", "0", "--jobs", "1", "--width", "64", "--seq", "16"]
+    argv += ["--batch", "4", "--only", "mxfp8", "nvfp4", "advised"]
+    assert gap.main(argv) == 0
+    out = capsys.readouterr().out
+    rows = {line.split("|")[1].strip(): line for line in out.splitlines() if line.startswith("| ")}
+    assert set(rows) == {"configuration", "bf16", "mxfp8", "nvfp4", "advised"}
+    for name in ("mxfp8", "nvfp4", "advised"):
+        held = float(rows[name].split("|")[2])
+        assert math.isfinite(held) and 0 < held < 10, rows[name]
+    assert "seed 0 all-nvfp4 on the first batch: gradient SQNR predicted" in out
+    assert "seed 0 advised: min_sqnr" in out and "nn.Linear=" in out
+
+
+def test_the_schedule_warms_up_then_decays_to_a_tenth() -> None:
+    gap = _load()
+    args = gap.argparse.Namespace(steps=150, lr=1.0)
+    lrs = [gap.lr_at(step, args) for step in range(150)]
+    top = lrs.index(max(lrs))
+    assert lrs[0] < lrs[top] == pytest.approx(1.0) and top == 150 // 15 - 1
+    assert all(a >= b for a, b in zip(lrs[top:], lrs[top + 1 :], strict=False))
+    assert lrs[-1] == pytest.approx(0.1, abs=1e-3)
