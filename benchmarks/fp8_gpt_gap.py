@@ -22,14 +22,18 @@ steps (under the recipe), each averaged over the seeds, and their gaps to bf16 w
 over seeds (the gap is taken per seed, the same data and initialisation on both sides), then
 the advised policy and its predicted and measured SQNR.
 
-Run: ``python benchmarks/fp8_gpt_gap.py [--steps 200] [--seeds 0 1] [--threads 2]``; about
-8 minutes per seed on 2 shared cores. docs/fp8.md has the figures and their conditions.
+Run: ``python benchmarks/fp8_gpt_gap.py [--steps 150] [--seeds 0 1 2] [--jobs 3]`` (each seed
+in its own process on ``--threads`` threads, 1 by default; about 15 minutes of one core per seed
+at the defaults, most of it nvfp4's emulation). ``--save FILE`` writes the per-seed figures,
+``--merge FILE...`` prints the table of saved runs (the figures of one seed do not depend on the
+others). docs/fp8.md has the figures and their conditions.
 """
 
 from __future__ import annotations
 
 import argparse
 import importlib.util
+import json
 import math
 import multiprocessing
 import os
@@ -194,9 +198,9 @@ def _gap(values: list[float], ref: list[float]) -> str:
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--steps", type=int, default=150)
-    parser.add_argument("--seeds", type=int, nargs="+", default=[0, 1])
+    parser.add_argument("--seeds", type=int, nargs="+", default=[0, 1, 2])
     parser.add_argument("--threads", type=int, default=1, help="torch threads per seed")
-    parser.add_argument("--jobs", type=int, default=2, help="seeds run at once (processes)")
+    parser.add_argument("--jobs", type=int, default=3, help="seeds run at once (processes)")
     parser.add_argument("--width", type=int, default=128)
     parser.add_argument("--depth", type=int, default=2)
     parser.add_argument("--seq", type=int, default=64)
@@ -207,6 +211,10 @@ def main(argv: list[str] | None = None) -> int:
         "--margin", type=float, default=6.0, help="target = all-nvfp4 SQNR + this (dB)"
     )
     parser.add_argument("--only", nargs="+", default=None, help="configurations besides bf16")
+    parser.add_argument("--save", default=None, help="also write the per-seed figures (JSON)")
+    parser.add_argument(
+        "--merge", nargs="+", default=None, help="print the table of saved runs; train nothing"
+    )
     args = parser.parse_args(argv)
     names = ["bf16", *RECIPES, "advised"]
     if args.only is not None:
@@ -214,19 +222,30 @@ def main(argv: list[str] | None = None) -> int:
     args.names = names
     load = "/".join(f"{x:.1f}" for x in os.getloadavg())
     train_bytes, val_bytes = corpus()
-    print(
+    header = (
         f"torch {torch.__version__}, Python {sys.version.split()[0]}, {args.threads} thread(s) "
         f"per seed, {args.jobs} seed(s) at once, load average {load}; GPT width {args.width}, "
         f"{args.depth} blocks, context {args.seq}, batch {args.batch}, {args.steps} steps, "
-        f"lr {args.lr}, seeds {args.seeds}; corpus {len(train_bytes) + len(val_bytes)} bytes\n",
-        flush=True,
+        f"lr {args.lr}, seeds {args.seeds}; corpus {len(train_bytes) + len(val_bytes)} bytes"
     )
-    if args.jobs > 1 and len(args.seeds) > 1:
+    if args.merge is None:
+        print(header + "\n", flush=True)
+    if args.merge is not None:
+        saved = [json.loads(Path(f).read_text()) for f in args.merge]
+        args.seeds = [seed for run in saved for seed in run["seeds"]]
+        results = [r for run in saved for r in run["results"]]
+        names = [n for n in names if all(n in r for r in results)]
+        print("\n".join(f"merged: {run['header']}" for run in saved))
+    elif args.jobs > 1 and len(args.seeds) > 1:
         context = multiprocessing.get_context("spawn")
         with ProcessPoolExecutor(min(args.jobs, len(args.seeds)), mp_context=context) as pool:
             results = list(pool.map(run_seed, args.seeds, [args] * len(args.seeds)))
     else:
         results = [run_seed(seed, args) for seed in args.seeds]
+    if args.save is not None:
+        Path(args.save).write_text(
+            json.dumps({"header": header, "seeds": args.seeds, "results": results})
+        )
 
     def column(name: str, key: str) -> list[float]:
         return [r[name][key] for r in results]

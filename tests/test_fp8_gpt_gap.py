@@ -21,13 +21,16 @@ def _load():
 
 
 def test_the_table_has_every_configuration_and_the_advised_policy(
-    capsys: pytest.CaptureFixture[str],
+    capsys: pytest.CaptureFixture[str], tmp_path: Path
 ) -> None:
     gap = _load()
     argv = ["--steps", "2", "--seeds", "0", "--jobs", "1", "--width", "64", "--seq", "16"]
     argv += ["--batch", "4", "--only", "mxfp8", "nvfp4", "advised"]
-    assert gap.main(argv) == 0
+    assert gap.main([*argv, "--save", str(tmp_path / "run.json")]) == 0
     out = capsys.readouterr().out
+    assert gap.main(["--merge", str(tmp_path / "run.json")]) == 0
+    merged = capsys.readouterr().out
+    assert merged[merged.index("| configuration") :] == out[out.index("| configuration") :]
     rows = {line.split("|")[1].strip(): line for line in out.splitlines() if line.startswith("| ")}
     assert set(rows) == {"configuration", "bf16", "mxfp8", "nvfp4", "advised"}
     for name in ("mxfp8", "nvfp4", "advised"):
