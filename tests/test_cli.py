@@ -188,7 +188,15 @@ def test_huge_run_allocates_little_and_an_interrupt_leaves_nothing(tmp_path: Pat
     front); Ctrl-C exits with 130, one line, and no output folder."""
     out = tmp_path / "out"
     cmd = [*_demo_cmd("--steps", "1000000", "--out", str(out), "--json"), "--seed", "3"]
-    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, env=ENV)
+    proc = subprocess.Popen(
+        cmd,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        env=ENV,
+        # Ctrl-C as a terminal delivers it, also when the suite runs where SIGINT is ignored (a
+        # background job, nohup), which the child would otherwise inherit.
+        preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL),
+    )
     assert proc.stderr is not None and proc.stdout is not None
     first = proc.stderr.readline().decode()  # printed when the first run starts training
     assert first == "fp32: training 1000000 steps\n", first
