@@ -157,8 +157,8 @@ def _mm(plan: Plan, a: Side, b: Side, fast_accum: bool = False, count: bool = Tr
 
 def _hp_mm(plan: Plan, a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
     """A high-precision matmul: native where fp8 is native; emulated, in fp32 then rounded (the
-    values of a low-precision matmul with fp32 accumulation, and on the CPU several times faster
-    than a bf16 matmul)."""
+    values of a low-precision matmul with fp32 accumulation; whether that is faster than a bf16
+    matmul depends on the CPU's bf16 instructions: docs/performance.md)."""
     if plan.scaled_mm:
         return a.mm(b)
     return a.float().mm(b.float()).to(plan.hp)
