@@ -9,6 +9,8 @@ from typing import Any
 import torch
 from torch import nn
 
+import mixprec
+
 
 class MLP(nn.Module):
     def __init__(self, d: int = 16) -> None:
@@ -112,3 +114,21 @@ def bitwise_equal(a: list[torch.Tensor], b: list[torch.Tensor]) -> bool:
     return len(a) == len(b) and all(
         x.dtype == y.dtype and torch.equal(x, y) for x, y in zip(a, b, strict=True)
     )
+
+
+def run(model: nn.Module, x: torch.Tensor, policy: Any) -> list[torch.Tensor]:
+    """Forward in a bf16 region under ``policy``, backward outside: the output and the grads
+    (of the original module's parameters when ``model`` is a ``torch.compile`` wrapper)."""
+    model.zero_grad(set_to_none=True)
+    with mixprec.autocast("cpu", torch.bfloat16, policy=policy):
+        out = model(x)
+    out.float().square().mean().backward()
+    params = model._orig_mod.parameters() if hasattr(model, "_orig_mod") else model.parameters()
+    return [out.detach(), *(p.grad.clone() for p in params if p.grad is not None)]
+
+
+def assert_bitwise(got: list[torch.Tensor], want: list[torch.Tensor], what: str) -> None:
+    assert len(got) == len(want), what
+    for i, (a, b) in enumerate(zip(got, want, strict=True)):
+        assert a.dtype == b.dtype, f"{what}: tensor {i} is {a.dtype}, eager gives {b.dtype}"
+        assert torch.equal(a, b), f"{what}: tensor {i} differs from eager"

@@ -25,7 +25,7 @@ from torch._dynamo.utils import counters
 from torch.utils.checkpoint import checkpoint
 
 import mixprec
-from autocast_helpers import CNN, MLP, Block
+from autocast_helpers import CNN, MLP, Block, assert_bitwise, run
 from mixprec import Policy
 
 pytestmark = [
@@ -38,23 +38,6 @@ BF16 = torch.bfloat16
 def seq() -> nn.Sequential:
     torch.manual_seed(0)
     return nn.Sequential(nn.Linear(8, 16), nn.ReLU(), nn.Linear(16, 4))
-
-
-def run(model: nn.Module, x: torch.Tensor, policy: Policy | str | None) -> list[torch.Tensor]:
-    """Forward in a bf16 region under ``policy``, backward outside: the output and the grads."""
-    model.zero_grad(set_to_none=True)
-    with mixprec.autocast("cpu", BF16, policy=policy):
-        out = model(x)
-    out.float().square().mean().backward()
-    params = model._orig_mod.parameters() if hasattr(model, "_orig_mod") else model.parameters()
-    return [out.detach(), *(p.grad.clone() for p in params if p.grad is not None)]
-
-
-def assert_bitwise(got: list[torch.Tensor], want: list[torch.Tensor], what: str) -> None:
-    assert len(got) == len(want), what
-    for i, (a, b) in enumerate(zip(got, want, strict=True)):
-        assert a.dtype == b.dtype, f"{what}: tensor {i} is {a.dtype}, eager gives {b.dtype}"
-        assert torch.equal(a, b), f"{what}: tensor {i} differs from eager"
 
 
 @contextmanager

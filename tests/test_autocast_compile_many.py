@@ -17,7 +17,7 @@ from torch import nn
 from torch._dynamo.utils import counters
 
 import mixprec
-from autocast_helpers import MLP
+from autocast_helpers import MLP, assert_bitwise, run
 from mixprec import Policy
 
 pytestmark = [
@@ -62,22 +62,6 @@ SPECS = {
 }  # fmt: skip
 
 
-def forward_backward(model: nn.Module, x: torch.Tensor, policy: Policy) -> list[torch.Tensor]:
-    model.zero_grad(set_to_none=True)
-    with mixprec.autocast("cpu", BF16, policy=policy):
-        out = model(x)
-    out.float().square().mean().backward()
-    params = model._orig_mod.parameters() if hasattr(model, "_orig_mod") else model.parameters()
-    return [out.detach(), *(p.grad.clone() for p in params if p.grad is not None)]
-
-
-def assert_bitwise(got: list[torch.Tensor], want: list[torch.Tensor], what: str) -> None:
-    assert len(got) == len(want), what
-    for i, (a, b) in enumerate(zip(got, want, strict=True)):
-        assert a.dtype == b.dtype, f"{what}: tensor {i} is {a.dtype}, eager gives {b.dtype}"
-        assert torch.equal(a, b), f"{what}: tensor {i} differs from eager"
-
-
 @pytest.mark.parametrize("kind", list(SPECS))
 def test_many_models_and_policies_in_one_process(kind: str) -> None:
     """The review's reproduction, extended: from the third policy on, both compiled variants
@@ -89,15 +73,15 @@ def test_many_models_and_policies_in_one_process(kind: str) -> None:
         policy = Policy(spec)
         eager, inplace, wrapped = make(), make(), torch.compile(make(), backend="aot_eager")
         inplace.compile(backend="aot_eager")
-        want = forward_backward(eager, x, policy)
+        want = run(eager, x, policy)
         if step % 2:  # eager first, then compiled: the same models run once eagerly before
             with torch.compiler.set_stance("force_eager"):
-                forward_backward(inplace, x, policy)
-                forward_backward(wrapped, x, policy)
+                run(inplace, x, policy)
+                run(wrapped, x, policy)
         for call in range(2):
             what = f"{kind} step {step} {spec!r} call {call}"
-            assert_bitwise(forward_backward(inplace, x, policy), want, f"{what}, model.compile()")
-            assert_bitwise(forward_backward(wrapped, x, policy), want, f"{what}, torch.compile")
+            assert_bitwise(run(inplace, x, policy), want, f"{what}, model.compile()")
+            assert_bitwise(run(wrapped, x, policy), want, f"{what}, torch.compile")
 
 
 def test_one_compiled_model_through_many_policies_and_back() -> None:
@@ -109,9 +93,9 @@ def test_one_compiled_model_through_many_policies_and_back() -> None:
     inplace.compile(backend="aot_eager")
     specs = SPECS["net"]
     for spec in [*specs, *reversed(specs)]:
-        want = forward_backward(eager, x, Policy(spec))
-        assert_bitwise(forward_backward(inplace, x, Policy(spec)), want, f"{spec}, in place")
-        assert_bitwise(forward_backward(wrapped, x, Policy(spec)), want, f"{spec}, wrapper")
+        want = run(eager, x, Policy(spec))
+        assert_bitwise(run(inplace, x, Policy(spec)), want, f"{spec}, in place")
+        assert_bitwise(run(wrapped, x, Policy(spec)), want, f"{spec}, wrapper")
 
 
 def test_the_hooks_are_never_compiled_on_their_own() -> None:
@@ -138,7 +122,7 @@ def test_a_policy_switch_of_an_in_place_compiled_model_costs_one_graph() -> None
     found = []
     for spec in ("fc1=fp32", "nn.Linear=fp16", "fc1=fp32", "nn.Linear=fp16"):
         before = counters["stats"]["unique_graphs"]
-        forward_backward(model, x, Policy(spec))
+        run(model, x, Policy(spec))
         found.append(counters["stats"]["unique_graphs"] - before)
     assert found == [1, 1, 0, 0]
 
@@ -194,8 +178,8 @@ def test_compiled_rules_follow_swapped_and_dropped_blocks(style: str) -> None:
         compiled = torch.compile(model, backend="aot_eager")
     policy = Policy("blocks.0=fp32, blocks.1=fp16")
     for step in range(4):
-        want = forward_backward(eager, x, policy)
-        assert_bitwise(forward_backward(compiled, x, policy), want, f"{style} step {step}")
+        want = run(eager, x, policy)
+        assert_bitwise(run(compiled, x, policy), want, f"{style} step {step}")
         for net in (eager, model):
             if step == 2:
                 net.blocks = net.blocks[1:]  # drop the first block
