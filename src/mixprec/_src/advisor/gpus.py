@@ -57,9 +57,8 @@ class GPU:
         return self.bandwidth * self.memory_efficiency
 
 
-# TransformerEngine's GEMM profiling tutorial, pre-quantized (kernel-only) runs of the 12 GEMMs
-# of a 5B model layer (19.17 TFLOP): H200 NVL bf16 31.968 ms, fp8 16.785 ms; B300 bf16
-# 13.102 ms, fp8 (per-tensor) 6.812 ms, NVFP4 3.764 ms. Divided by the datasheet peaks.
+# Fractions of the datasheet peaks that TransformerEngine's kernel-only GEMM timings reach
+# (docs/advisor.md, section "Speed", gives the timings and how they are divided).
 _HOPPER = {"fp32": 0.718, "bf16": 0.718, "fp8": 0.684}
 _BLACKWELL = {"fp32": 0.650, "bf16": 0.650, "fp8": 0.625, "fp4": 0.364}
 
