@@ -16,11 +16,11 @@ from mixprec._src.advisor.api import advise
 from mixprec._src.advisor.watch import Watch
 from mixprec._src.anomaly import find_nonfinite
 from mixprec._src.autocast.custom import custom_bwd, custom_fwd
+from mixprec._src.autocast.fp8 import matmul_path
 from mixprec._src.autocast.policy import Policy, policy_table
 from mixprec._src.autocast.region import autocast
 from mixprec._src.autocast.rules import Rule
 from mixprec._src.dist.norms import distributed_clip_grad_norm_
-from mixprec._src.fp8.matmul import matmul_path
 from mixprec._src.fp8.stats import Fp8Stats
 from mixprec._src.kernels.flat import flatten_grads
 from mixprec._src.master import MasterWeights

@@ -31,7 +31,8 @@ from mixprec._src.autocast.rules import Rule
 from mixprec._src.autocast.targets import class_label
 from mixprec._src.fp8 import hook
 from mixprec._src.fp8.hook import SERVES, can_serve
-from mixprec._src.fp8.recipes import get_recipe
+from mixprec._src.fp8.matmul import use_scaled_mm
+from mixprec._src.fp8.recipes import RECIPES, get_recipe
 from mixprec.errors import ConfigError
 
 if TYPE_CHECKING:
@@ -237,3 +238,37 @@ def exit_rule(token: Any) -> None:
     Host sync: none.
     """
     hook.exit_module(token)
+
+
+def matmul_path(rule: str, device: torch.device | str) -> str:
+    """Which path the matmuls of a Linear under an fp8-family ``rule`` take on ``device``:
+    ``"hardware"`` (``torch._scaled_mm``, with block scales for the block recipes) or
+    ``"emulated"`` (the casts' values dequantized to fp32 and an fp32 matmul, on every device).
+
+    The answer is for shapes the kernels take (multiples of 16); a matmul of other shapes is
+    emulated, and :class:`~mixprec.Fp8Stats` says what ran (``path`` per module). The rule is read
+    as a policy reads it; an output cast (``"fp8:rowwise@fp32"``) does not matter here.
+
+    Example:
+        >>> matmul_path("mxfp8", "cpu")
+        'emulated'
+
+    Raises:
+        ConfigError: ``rule`` is not an fp8-family rule word, or ``device`` is not a device.
+
+    Host sync: none (a CUDA device's compute capability is read once per device).
+    """
+    try:
+        parsed = Rule.coerce(rule)
+    except ConfigError as err:
+        raise ConfigError(f"matmul_path takes an fp8-family rule word: {err}") from None
+    if not parsed.fp8_family or parsed.recipe is None:
+        raise ConfigError(
+            f"matmul_path takes an fp8-family rule word (such as 'fp8:rowwise', 'mxfp8', "
+            f"'nvfp4'), got {rule!r}"
+        )
+    try:
+        dev = torch.device(device)
+    except (RuntimeError, TypeError) as err:
+        raise ConfigError(f"matmul_path: {device!r} is not a device ({err})") from None
+    return "hardware" if use_scaled_mm(dev, RECIPES[parsed.recipe]) else "emulated"

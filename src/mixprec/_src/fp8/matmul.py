@@ -28,7 +28,7 @@ from mixprec._src.devices import caps
 from mixprec._src.fp8 import kernels
 from mixprec._src.fp8.casts import Quantized, cast_stats, dequantize, quantize
 from mixprec._src.fp8.kernels import Side
-from mixprec._src.fp8.recipes import RECIPES, WORDS, Cast, Recipe, accepted, canonical
+from mixprec._src.fp8.recipes import Cast, Recipe
 from mixprec._src.fp8.stats import Slot
 from mixprec.errors import ConfigError
 
@@ -64,40 +64,6 @@ def use_scaled_mm(device: torch.device, recipe: Recipe | None = None) -> bool:
     low, high = recipe.capability if recipe is not None else ((8, 9), (99, 0))
 
     return cap is not None and low <= cap < high
-
-
-def matmul_path(rule: str, device: torch.device | str) -> str:
-    """Which path the matmuls of a Linear under an fp8-family ``rule`` take on ``device``:
-    ``"hardware"`` (``torch._scaled_mm``, with block scales for the block recipes) or
-    ``"emulated"`` (the casts' values dequantized to fp32 and an fp32 matmul, on every device).
-
-    The answer is for shapes the kernels take (multiples of 16); a matmul of other shapes is
-    emulated, and :class:`~mixprec.Fp8Stats` says what ran (``path`` per module). An output cast
-    (``"fp8:rowwise@fp32"``) is accepted and does not matter here.
-
-    Example:
-        >>> matmul_path("mxfp8", "cpu")
-        'emulated'
-
-    Raises:
-        ConfigError: ``rule`` is not an fp8-family rule word, or ``device`` is not a device.
-
-    Host sync: none (a CUDA device's compute capability is read once per device).
-    """
-    if not isinstance(rule, str):
-        raise ConfigError(f"matmul_path takes a rule word such as 'mxfp8', got {rule!r}")
-    word, _, recipe = rule.partition("@")[0].strip().lower().partition(":")
-    names = WORDS.get(word.strip())
-    found = canonical(recipe) or (names[0] if names else "")
-    if names is None or found not in names:
-        raise ConfigError(
-            f"matmul_path takes an fp8-family rule word, got {rule!r}; accepted: {accepted()}"
-        )
-    try:
-        dev = torch.device(device)
-    except (RuntimeError, TypeError) as err:
-        raise ConfigError(f"matmul_path: {device!r} is not a device ({err})") from None
-    return "hardware" if use_scaled_mm(dev, RECIPES[found]) else "emulated"
 
 
 @dataclass(frozen=True)

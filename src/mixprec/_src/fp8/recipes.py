@@ -244,7 +244,7 @@ def rule_word(recipe: str) -> str:
             return word
         if recipe in names:
             return f"{word}:{recipe}"
-    raise ConfigError(f"unknown low-precision recipe {recipe!r}; accepted: {accepted()}")
+    raise ConfigError(f"unknown low-precision recipe {recipe!r}; accepted: {_accepted()}")
 
 
 def get_recipe(name: str) -> Recipe:
@@ -261,11 +261,10 @@ def get_recipe(name: str) -> Recipe:
     """
     found = RECIPES.get(canonical(name) or DEFAULT)
     if found is None:
-        raise ConfigError(f"unknown fp8 recipe {name!r}; accepted: {accepted()}")
+        raise ConfigError(f"unknown fp8 recipe {name!r}; accepted: {_accepted()}")
     return found
 
 
-def accepted() -> str:
-    """The rule words of the family, for messages. Host sync: none."""
+def _accepted() -> str:
     words = [f'"{rule_word(n)}"' for names in WORDS.values() for n in names]
     return f'"fp8" (= "fp8:{DEFAULT}"), ' + ", ".join(w for w in words if w != '"fp8"')
