@@ -1,0 +1,13 @@
+"""Every private torch API and every piece of global torch state mixprec touches, in one place.
+
+The rest of the package reaches torch's private names (``torch._C``, ``torch._foreach_*``,
+``torch._dynamo``, ``torch._scaled_mm``, module hook dicts, ...) only through this module. Each
+entry says what it is for, the torch versions it was checked on, and what mixprec does where the
+name is missing; ``tests/test_torch_compat.py`` checks every entry on the torch it runs under.
+"""
+
+from __future__ import annotations
+
+# ---------------------------------------------------------------- kernels, scaling, fp8, devices
+
+# ---------------------------------------------------------------- autocast and the fp8 hook
