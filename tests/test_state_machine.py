@@ -102,6 +102,15 @@ def _raises(expected: type[BaseException] | None, fn, *args, **kwargs):  # type:
     return result
 
 
+def _sizeable(module: nn.Module) -> bool:
+    """Whether a clean step on ``module``'s grads must move a parameter. Grads that are never
+    zeroed are unscaled again in each later iteration (as torch's are), shrinking by the scale
+    every time; after a few iterations an SGD step on them is below the parameters' float32
+    resolution (lr 0.1 on grads of 1e-6 against weights near 0.5). Those steps are not modelled.
+    """
+    return any(p.grad is not None and p.grad.abs().max().item() > 1e-4 for p in module.parameters())
+
+
 class ScalerMachine(RuleBasedStateMachine):
     def __init__(self) -> None:
         super().__init__()
@@ -186,7 +195,7 @@ class ScalerMachine(RuleBasedStateMachine):
         unchanged = all(torch.equal(a, b) for a, b in zip(before, after, strict=True))
         if snap.bad or not m.has_grad[k]:
             assert unchanged, "a skipped step changed the parameters"
-        else:
+        elif _sizeable(self.modules[k]):
             assert not unchanged, "a clean step left the parameters unchanged"
         assert self.scaler.last_step_skipped(self.opts[k]) is snap.bad
 
