@@ -2,7 +2,8 @@
 snippet file's first line, which is blank padding in the doc: the snippet keeps its doc line
 numbers and gets no name of ours in its namespace).
 
-It does two things a user's fresh interpreter would not notice:
+It runs the snippet in its own folder (the files it writes land there, not in the repository),
+and does two things a user's fresh interpreter would not notice:
 
 - seeds torch's generator and Python's ``random`` with ``SNIPPET_SEED``. A fresh interpreter
   starts torch from a random seed (torch 2.13) and forked children would all share their
@@ -21,6 +22,7 @@ from __future__ import annotations
 import builtins
 import io
 import json
+import os
 import random
 import sys
 from typing import Any
@@ -61,6 +63,7 @@ def _snippet_lines(path: str) -> list[int]:
 
 
 def start(path: str) -> None:
+    os.chdir(os.path.dirname(os.path.abspath(path)))
     torch.manual_seed(SNIPPET_SEED)
     random.seed(SNIPPET_SEED)
     sys.stdout = _Tee(sys.stdout, open(path + ".stdout", "w", encoding="utf-8"))  # noqa: SIM115
