@@ -1,16 +1,20 @@
 """Every ```python snippet of README.md and docs/*.md runs on its own, as a user would paste it,
 and prints what the doc says it prints.
 
-How each snippet runs: written to a file of its own (blank lines before it, so tracebacks give
-the doc's line numbers) and run as ``__main__`` by tests/forked_runner.py, in a process forked
-from a parent that has imported torch and mixprec and nothing else (one thread, default warning
-filters). No snippet sees a name of another: one that uses a name from a snippet above it fails
-with a NameError. The fork is equivalent to a fresh interpreter for what a snippet can observe;
-``test_a_forked_snippet_sees_what_a_fresh_interpreter_sees`` checks that on the state that
-matters (modules loaded, threads, RNG, warning filters, grad mode, dtype defaults). Two things
-differ on purpose (tests/doc_prelude.py): torch's generator starts from a seed that is not
-torch's default, so a value shown in the doc that depends on an unseeded draw fails here; and
-stdout is recorded.
+How each snippet runs: written to a file of its own, in a folder of its own (blank lines
+before it, so tracebacks give the doc's line numbers), and run as ``__main__`` by
+tests/forked_runner.py in a process forked from a parent that has imported torch and mixprec
+and nothing else (one thread, default warning filters); two such parents share the snippets.
+Forking saves each snippet the import of torch (a few seconds) and is equivalent to a fresh
+interpreter for what a snippet can observe: ``test_a_forked_snippet_sees_what_a_fresh_
+interpreter_sees`` runs one snippet both ways and compares the state that matters (modules
+loaded, threads, RNG, warning filters, grad mode, dtype defaults, globals). No snippet sees a
+name of another: one that uses a name from a snippet above it fails with a NameError. What
+differs from a user's paste on purpose (tests/doc_prelude.py): torch's and Python's generators
+start from one fixed seed (a fresh interpreter's torch starts from a random one), so the test
+repeats, and a value the doc shows that depends on an unseeded draw fails here; stdout is
+recorded; the working directory is the snippet's folder (the repository is on ``PYTHONPATH``,
+as for a user in a clone's root).
 
 What the doc says a snippet prints is checked in two forms:
 
@@ -25,8 +29,9 @@ with a decimal point or an exponent within ``LAST_DIGITS`` units of its last sho
 snippets run on one thread here; run once with 2 threads and with torch's, MKL's and oneDNN's
 kernels held to SSE4 (``make test-other-cpu``'s settings), every shown value held and the
 largest move was one unit of the last digit (docs/advisor.md's table: 64.9 to 64.8 dB, 0.03%
-to 0.027%), so ``LAST_DIGITS = 2`` is twice that. A figure that depends on the machine (a time)
-must not be shown as printed output.
+to 0.027%), so ``LAST_DIGITS = 2`` is twice that. A figure that depends on the machine (a time;
+the fp8 flushed fractions of advisor.md's GPT table, decided by a few dozen values: 0.0097% on
+one CPU, 0.0075% on another) is written ``...`` in the doc.
 
 A snippet that cannot run on a CPU starts with ``# doc: no-run (reason)``; it is reported as
 skipped with that reason. The reason is required.
