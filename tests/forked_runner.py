@@ -1,18 +1,18 @@
-"""Run Python scripts or the ```python blocks of Markdown files, each in its own forked process.
+"""Run Python scripts, each in its own forked process; and read the ```python blocks of Markdown.
 
-Used by tests/test_examples.py and tests/test_docs.py through a subprocess::
+Used by tests/test_examples.py and tests/test_doc_snippets.py (each doc snippet written to a
+script of its own) through a subprocess::
 
-    python tests/forked_runner.py LOGDIR TIMEOUT_S (script|markdown) PATH...
+    python tests/forked_runner.py LOGDIR TIMEOUT_S script PATH...
 
 This process imports torch and mixprec once (one thread, before any parallel region, so forking
 is safe), then forks a child per PATH: the child redirects its output to LOGDIR/<name>.log and
-runs the script with ``runpy`` as ``__main__``, or executes the file's ```python blocks in order
-in one namespace. A child that exceeds TIMEOUT_S is killed with its process group. One JSON line
-per PATH goes to stdout: {"path", "rc", "seconds", "log"}. Without ``os.fork`` each PATH runs in
-a fresh interpreter instead (slower, same result).
+runs the script with ``runpy`` as ``__main__``. A child that exceeds TIMEOUT_S is killed with
+its process group. One JSON line per PATH goes to stdout: {"path", "rc", "seconds", "log"}.
+Without ``os.fork`` each PATH runs in a fresh interpreter instead (slower, same result).
 
-Markdown: a block whose first line is ``# doc: no-run (reason)`` is skipped; the reason is
-required (a no-run marker without one fails the file with exit status 3).
+Markdown: a block whose first line is ``# doc: no-run (reason)`` is not run; the reason is
+required.
 """
 
 from __future__ import annotations
@@ -63,28 +63,6 @@ def no_run_reason(code: str) -> str | None:
     return m.group("reason").strip(" \t:-—()")
 
 
-def run_markdown(path: str) -> int:
-    """Execute the file's python blocks in order in one namespace; 3 on a no-run without reason."""
-    with open(path, encoding="utf-8") as f:
-        blocks = python_blocks(f.read())
-    namespace: dict[str, object] = {"__name__": "__main__", "__file__": path}
-    for line, code in blocks:
-        reason = no_run_reason(code)
-        if reason is not None:
-            if not reason:
-                print(
-                    f"{path}:{line}: '# doc: no-run' needs a reason, e.g. "
-                    "'# doc: no-run (needs 2 processes)'"
-                )
-                return 3
-            print(f"### {path}:{line}: skipped ({reason})", flush=True)
-            continue
-        print(f"### {path}:{line}: running", flush=True)
-        exec(compile("\n" * (line - 1) + code, path, "exec"), namespace)
-    print(f"### {path}: {len(blocks)} block(s)", flush=True)
-    return 0
-
-
 def run_script(path: str) -> int:
     sys.argv = [path]
     sys.path.insert(0, os.path.dirname(os.path.abspath(path)))
@@ -99,7 +77,7 @@ def child(path: str, mode: str, log: str) -> None:
         fd = os.open(log, os.O_WRONLY | os.O_CREAT | os.O_TRUNC)
         os.dup2(fd, 1)
         os.dup2(fd, 2)
-        code = run_markdown(path) if mode == "markdown" else run_script(path)
+        code = run_script(path)
     except SystemExit as exc:
         code = exc.code if isinstance(exc.code, int) else int(exc.code is not None)
     except BaseException:
@@ -129,8 +107,6 @@ def run_in_fork(path: str, mode: str, log: str, timeout: float) -> int | str:
 
 def run_in_subprocess(path: str, mode: str, log: str, timeout: float) -> int | str:
     argv = [sys.executable, path]
-    if mode == "markdown":
-        argv = [sys.executable, os.path.abspath(__file__), "--one-markdown", path]
     with open(log, "w") as out:
         try:
             proc = subprocess.run(argv, stdout=out, stderr=subprocess.STDOUT, timeout=timeout)
@@ -155,8 +131,6 @@ def run_files(
 
 
 def main(argv: list[str]) -> int:
-    if argv[:1] == ["--one-markdown"]:
-        return run_markdown(argv[1])
     logdir, timeout, mode, paths = argv[0], float(argv[1]), argv[2], argv[3:]
     forking = hasattr(os, "fork")
     if forking:

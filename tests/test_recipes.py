@@ -7,7 +7,7 @@
   torchvision (which cannot be imported beside the CPU build of torch), bit-identical to the
   stock ``NativeScaler`` with torch's scaler.
 
-The 🤗 transformers ``Trainer`` recipe is docs/transformers.md, run by tests/test_docs.py.
+The 🤗 transformers ``Trainer`` recipe is docs/transformers.md, run by tests/test_doc_snippets.py.
 """
 
 from __future__ import annotations
@@ -128,7 +128,7 @@ def test_timm_recipe_runs_and_matches_the_stock_native_scaler(
 
 
 def test_timm_cannot_be_imported_here_without_torchvision() -> None:
-    """The reason docs/timm.md's block is not run by test_docs: if this starts failing (timm
+    """The reason docs/timm.md's block is not run by test_doc_snippets: if this starts failing (timm
     imports without torchvision, or a CPU torchvision installs), run the block there instead."""
     if importlib.util.find_spec("timm") is None:
         pytest.skip("timm is not installed (make test installs the version in constraints.txt)")
