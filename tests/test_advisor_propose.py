@@ -11,8 +11,9 @@ from hypothesis import strategies as st
 from torch import nn
 
 from mixprec import Policy
-from mixprec._src.advisor.metrics import db_to_ratio, ratio_to_db
-from mixprec._src.advisor.propose import Choice, Option, build_policy, search
+from mixprec._src.advisor.choose.policy import build_policy
+from mixprec._src.advisor.choose.search import Choice, Option, Target, search
+from mixprec._src.advisor.measure.metrics import db_to_ratio, ratio_to_db
 from mixprec.errors import ConfigError
 
 SETTINGS = settings(max_examples=80, deadline=None)
@@ -40,7 +41,7 @@ def test_one_candidate_keeps_the_fewest_modules_that_reach_the_target(
     values: list[float], region_db: float, target: float
 ) -> None:
     region = db_to_ratio(region_db)
-    result = search(_choices(values), region, target, None)
+    result = search(_choices(values), region, Target(target, None))
     kept = {c.name for c in result.choices if c.kept}
     ratios = [db_to_ratio(v) for v in values]
     reachable = [
@@ -60,7 +61,7 @@ def test_one_candidate_keeps_the_fewest_modules_that_reach_the_target(
 @SETTINGS
 @given(values=st.lists(dbs, min_size=1, max_size=7), k=st.integers(0, 8))
 def test_keep_at_most_alone_keeps_the_k_most_sensitive(values: list[float], k: int) -> None:
-    result = search(_choices(values), 0.0, None, k)
+    result = search(_choices(values), 0.0, Target(None, k))
     kept = [int(c.name[1:]) for c in result.choices if c.kept]
     forced = [i for i, v in enumerate(values) if v == -math.inf]
     expected = max(len(forced), min(k, len(values)))
@@ -81,7 +82,7 @@ def test_keep_at_most_alone_keeps_the_k_most_sensitive(values: list[float], k: i
 def test_a_met_target_is_predicted_and_within_the_limit(
     values: list[float], target: float, k: int
 ) -> None:
-    result = search(_choices(values), 0.0, target, k)
+    result = search(_choices(values), 0.0, Target(target, k))
     kept = sum(c.kept for c in result.choices)
     assert kept <= k
     assert result.met == (result.predicted >= target)
@@ -119,7 +120,7 @@ def test_two_candidates_keep_the_fewest_modules_of_any_assignment(
         )
         for i, (db, gain) in enumerate(pairs)
     ]
-    result = search(choices, db_to_ratio(70.0), target, k)
+    result = search(choices, db_to_ratio(70.0), Target(target, k))
     limit = len(pairs) if k is None else k
     feasible = [
         sum(a == 2 for a in assign)
@@ -142,17 +143,17 @@ def test_an_intermediate_candidate_is_used_before_keeping() -> None:
     c = Choice(
         "m", [Option("fp8", 1e-3, 30.0), Option("bf16", 1e-5, 50.0), Option("fp32", 0, math.inf)]
     )
-    result = search([c], 0.0, 40.0, None)
+    result = search([c], 0.0, Target(40.0, None))
     assert result.choices[0].current.word == "bf16" and result.met
     d = Choice(
         "m", [Option("fp16", 1e-7, 70.0), Option("bf16", 1e-5, 50.0), Option("fp32", 0, math.inf)]
     )
-    result = search([d], 0.0, 80.0, None)
+    result = search([d], 0.0, Target(80.0, None))
     assert result.choices[0].kept and result.met
 
 
 def test_unreachable_region_is_explained() -> None:
-    result = search(_choices([40.0]), db_to_ratio(25.0), 30.0, None)
+    result = search(_choices([40.0]), db_to_ratio(25.0), Target(30.0, None))
     assert not result.met and "out of reach" in result.notes[0]
 
 

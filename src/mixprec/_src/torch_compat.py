@@ -11,3 +11,20 @@ from __future__ import annotations
 # ---------------------------------------------------------------- kernels, scaling, fp8, devices
 
 # ---------------------------------------------------------------- autocast and the fp8 hook
+
+# ---------------------------------------------------------------- the advisor
+
+
+def compiled_original(module: object) -> object | None:
+    """The eager module inside a ``torch.compile``'d one (``OptimizedModule._orig_mod``), or
+    None for any other object. The advisor measures that module: its taps and isolated regions
+    are forward hooks, which a compiled graph would trace once and replay.
+
+    Checked on torch 2.4-2.13 (``torch._dynamo.eval_frame.OptimizedModule``); where the class is
+    missing nothing is taken for compiled.
+    """
+    try:
+        from torch._dynamo.eval_frame import OptimizedModule
+    except ImportError:  # a torch without dynamo
+        return None
+    return module._orig_mod if isinstance(module, OptimizedModule) else None

@@ -39,6 +39,11 @@ class Candidate:
     dtype: torch.dtype | None
     recipe: str | None = None
 
+    @staticmethod
+    def of(word: object) -> Candidate:
+        """The candidate a rule word names. Raises ConfigError for another word."""
+        return _parse_one(word)
+
     @property
     def is_fp16(self) -> bool:
         return self.dtype == torch.float16
@@ -46,13 +51,24 @@ class Candidate:
     def serves(self, module: nn.Module) -> bool:
         """Whether this precision can be applied to ``module`` (16-bit: any module; a recipe:
         an ``nn.Linear`` whose features its blocks tile)."""
+        return self.why_not(module) is None
+
+    def why_not(self, module: nn.Module) -> str | None:
+        """Why this precision cannot serve ``module``, None where it can."""
         if self.recipe is None:
-            return True
+            return None
         weight = getattr(module, "weight", None)
         if not fp8_hook.can_serve(type(module)) or not isinstance(weight, torch.Tensor):
-            return False
+            return f"{self.word} serves {fp8_hook.SERVES}"
         _, k, n = get_recipe(self.recipe).multiples()
-        return weight.dim() == 2 and weight.shape[1] % k == 0 and weight.shape[0] % n == 0
+        if weight.dim() != 2:
+            return f"{self.word} serves 2D weights"
+        out_features, in_features = weight.shape
+        if in_features % k:
+            return f"in_features {in_features} is not a multiple of {self.word}'s block {k}"
+        if out_features % n:
+            return f"out_features {out_features} is not a multiple of {self.word}'s block {n}"
+        return None
 
     def isolated(
         self,
@@ -152,3 +168,26 @@ def high_word(candidates: Sequence[Candidate], region: torch.dtype) -> str:
     if any(c.dtype == region for c in candidates):
         return "fp32"
     return format_dtype(region)
+
+
+def unserved_reason(candidates: Sequence[Candidate], module: nn.Module) -> str:
+    """Why no candidate serves ``module``: each candidate's reason, the same ones once."""
+    reasons = [r for c in candidates if (r := c.why_not(module)) is not None]
+    return "; ".join(dict.fromkeys(reasons))
+
+
+def check_served(cands: Sequence[Candidate], chosen: Sequence[tuple[str, nn.Module]]) -> None:
+    """Every candidate must serve at least one measured module.
+
+    Raises:
+        ConfigError: one serves none; the message says why for the first few modules.
+    """
+    for cand in cands:
+        if any(cand.serves(m) for _, m in chosen):
+            continue
+        shown = [f"{n} ({type(m).__name__}: {cand.why_not(m)})" for n, m in chosen[:4]]
+        more = f" and {len(chosen) - 4} more" if len(chosen) > 4 else ""
+        raise ConfigError(
+            f"candidate {cand.word!r} serves none of the measured modules: "
+            f"{', '.join(shown)}{more}; measure other modules (modules=[...]) or drop it"
+        )

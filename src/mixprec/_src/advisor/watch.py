@@ -25,20 +25,25 @@ from __future__ import annotations
 
 import math
 import warnings
+import weakref
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
+import torch
 from torch import nn
 
-from mixprec._src.advisor import measure
+from mixprec._src.advisor.arguments import check_model, device_of
 from mixprec._src.advisor.candidates import Candidate, parse_candidates, region_dtype
-from mixprec._src.advisor.checks import device_of
-from mixprec._src.advisor.engine import Engine, Job, Target
-from mixprec._src.advisor.metrics import db_to_ratio, ratio_to_db
-from mixprec._src.advisor.propose import Choice, Option, build_policy, search
-from mixprec._src.advisor.report import Advice, Measurement, ModuleAdvice
-from mixprec._src.advisor.state import Guard
+from mixprec._src.advisor.choose.options import module_choice
+from mixprec._src.advisor.choose.policy import build_policy
+from mixprec._src.advisor.choose.search import Target, search
+from mixprec._src.advisor.measure.guard import Guard
+from mixprec._src.advisor.measure.metrics import db_to_ratio, ratio_to_db
+from mixprec._src.advisor.measure.passes import Engine, Job, Subject, in_pass, isolated
+from mixprec._src.advisor.report.advice import Advice, Measurement, ModuleAdvice
+from mixprec._src.advisor.speed.gpus import get_gpu
+from mixprec._src.autocast.modules import region_policy
 from mixprec._src.autocast.policy import Policy
 from mixprec._src.autocast.rules import format_dtype
 from mixprec.errors import ConfigError, MixprecWarning
@@ -161,6 +166,8 @@ class Watch:
         names = dict(model.named_modules())
         self._watched = [m for m in advice.modules if m.served and m.choice in m.candidates]
         self._modules = {m.name: names[m.name] for m in self._watched}
+        self._trained = _TrainedPolicies(model)
+        self._warned: set[Policy | None] = set()
         self._margins: dict[str, float] = {}  # the first margin measured, per module
         self._level: dict[str, float] = {}  # the SQNR when the margin was last measured
         self._lost: dict[str, float] = {}  # dB of margin lost since the first
@@ -176,16 +183,21 @@ class Watch:
         batch passed) and return the :class:`WatchReport`, else None.
 
         Call it after the optimizer step. The model's parameters, buffers, ``.grad``, training
-        flags and RNG state are left as they were.
+        flags and RNG state are left as they were. When the model's training forwards since the
+        last step ran under a policy other than the advice's (or outside any mixprec region),
+        it warns once per such policy: the watch measures the advice's choices, not what the
+        loop trains.
 
         Raises:
-            ConfigError: a check is due and no batch was ever passed.
+            ConfigError: a check is due and no batch was ever passed, or a watched module is no
+                longer the model's (replaced or removed since the advice).
 
         Host sync: none between checks; a check reads its figures back.
         """
         self._steps += 1
         if batch is not None:
             self._batch = batch
+        self._notice_other_policy()
         if self._steps % self.every or not self._watched:
             return None
         if self._batch is None:
@@ -231,32 +243,51 @@ class Watch:
         device = device_of(model)
         cands = parse_candidates(list(advice.candidates), device.type)
         job = Job(model, [batch], self.loss_fn, device, cands, region_dtype(cands))
-        params = list(model.parameters())
-        position = {id(p): i for i, p in enumerate(params)}
-        targets = [
-            Target(
-                r.name,
-                self._modules[r.name],
-                sorted({position[id(p)] for p in self._modules[r.name].parameters()}),
+        position = {id(p): i for i, p in enumerate(model.parameters())}
+        subjects = []
+        for r in rows:
+            module = self._current(r.name)
+            subjects.append(
+                Subject(r.name, module, sorted({position[id(p)] for p in module.parameters()}))
             )
-            for r in rows
-        ]
         high = Candidate(format_dtype(job.region), job.region)
         with Guard(model, device) as guard:
             engine = Engine(job, guard)
-            engine.run_reference(targets)
+            engine.run_reference(subjects)
             engine.scale = advice.init_scale or 1.0
             found = []
-            for t, r in zip(targets, rows, strict=True):
-                cand = _candidate(cands, r.choice)
-                got = measure.isolated(engine, t, cand)
-                ref = (
-                    measure.isolated(engine, t, high)
-                    if self._needs_reference(r, cand, got)
-                    else None
-                )
+            for s, r in zip(subjects, rows, strict=True):
+                cand = Candidate.of(r.choice)
+                got = isolated(engine, s, cand)
+                ref = isolated(engine, s, high) if self._needs_reference(r, cand, got) else None
                 found.append(_record(self._steps, r, got, ref))
         return found
+
+    def _current(self, name: str) -> nn.Module:
+        """The watched module ``name``, still the one the advice measured."""
+        module = dict(self.model.named_modules()).get(name)
+        if module is self._modules[name]:
+            return module
+        what = "removed from the model" if module is None else "replaced by another module"
+        raise ConfigError(
+            f"the watched module {name!r} was {what} since the advice: its figures no longer "
+            "describe the model; advise the model again (mixprec.advise) and watch the new advice"
+        )
+
+    def _notice_other_policy(self) -> None:
+        """Warn once per policy the loop trains other than the advice's."""
+        for policy in self._trained.take():
+            if policy == self.advice.policy or policy in self._warned:
+                continue
+            self._warned.add(policy)
+            what = "outside any mixprec.autocast policy" if policy is None else f"{str(policy)!r}"
+            warnings.warn(
+                f"mixprec.Watch: the model trains under {what}, not the advice's policy "
+                f"{str(self.advice.policy)!r}; the watch measures the advice's choices: train "
+                "with advice.policy, or watch the advice made for the policy you train",
+                MixprecWarning,
+                stacklevel=3,
+            )
 
     def _needs_reference(self, row: ModuleAdvice, cand: Candidate, got: Measurement) -> bool:
         """The 16-bit pass is run the first time a module in a recipe is measured, and when
@@ -310,19 +341,61 @@ class Watch:
         return ratio_to_db(noise)
 
     def _proposal(self) -> Policy | None:
+        """The advisor's search, with the advice's objective and GPU, on the advice's figures
+        with each module's loss of margin (a module with an alert cannot keep its choice)."""
         advice = self.advice
         served = [m for m in advice.modules if m.served]
+        gpu = None if advice.gpu is None else get_gpu(advice.gpu)
         choices = [
-            _choice(m, self._lost.get(m.name, 0.0), advice.kept_precision, m.name in self._flagged)
+            module_choice(
+                m.name,
+                m.measurements,
+                (advice.kept_precision, m.kept_measurement, m.kept_time),
+                gpu,
+                db_of=self._lowered(m),
+            )
             for m in served
         ]
-        found = search(
-            choices, db_to_ratio(advice.region_sqnr), advice.min_sqnr, advice.keep_at_most
-        )
+        target = Target(advice.min_sqnr, advice.keep_at_most, advice.objective)
+        found = search(choices, db_to_ratio(advice.region_sqnr), target)
         picked = {c.name: c.current.word for c in found.choices}
         names = [m.name for m in served]
         policy = build_policy(self.model, picked, format_dtype(advice.dtype), names)
         return None if policy == advice.policy else policy
+
+    def _lowered(self, row: ModuleAdvice) -> Callable[[Measurement], float]:
+        lost, flagged = self._lost.get(row.name, 0.0), row.name in self._flagged
+
+        def db_of(m: Measurement) -> float:
+            if not m.finite or (flagged and m.candidate == row.choice):
+                return -math.inf
+            return m.model_grad_sqnr - (lost if m.candidate == row.choice else 0.0)
+
+        return db_of
+
+
+class _TrainedPolicies:
+    """The policies the model's training forwards ran under (a forward pre-hook on the model
+    that asks autocast; the advisor's own passes are not training)."""
+
+    def __init__(self, model: nn.Module) -> None:
+        seen: list[Policy | None] = []
+        self._seen = seen
+
+        def hook(module: nn.Module, args: Any) -> None:
+            if torch.compiler.is_compiling() or in_pass():
+                return
+            if module.training and torch.is_grad_enabled():
+                inside, policy = region_policy()
+                seen.append(policy if inside else None)
+
+        self._handle = model.register_forward_pre_hook(hook)
+        weakref.finalize(self, self._handle.remove)
+
+    def take(self) -> list[Policy | None]:
+        found = list(dict.fromkeys(self._seen))
+        self._seen.clear()
+        return found
 
 
 def _check(
@@ -333,8 +406,7 @@ def _check(
     limits: tuple[object, object],
     hook: object,
 ) -> None:
-    if not isinstance(model, nn.Module):
-        raise ConfigError(f"model must be a torch.nn.Module, got {type(model).__name__}")
+    check_model(model)
     if not callable(loss_fn):
         raise ConfigError("loss_fn must be callable as loss_fn(model, batch)")
     if not isinstance(advice, Advice):
@@ -349,6 +421,7 @@ def _check(
             raise ConfigError(f"{name} must be a number >= 0, got {value!r}")
     if hook is not None and not callable(hook):
         raise ConfigError(f"hook must be None or a function of a WatchReport, got {hook!r}")
+    assert isinstance(model, nn.Module)  # check_model raised otherwise
     named = dict(model.named_modules())
     missing = [m.name for m in advice.modules if m.name not in named]
     if missing:
@@ -357,10 +430,6 @@ def _check(
 
 def _row(advice: Advice, name: str) -> ModuleAdvice:
     return next(m for m in advice.modules if m.name == name)
-
-
-def _candidate(cands: Sequence[Candidate], word: str) -> Candidate:
-    return next(c for c in cands if c.word == word)
 
 
 def _saturation(m: Measurement | None) -> float | None:
@@ -386,21 +455,6 @@ def _record(step: int, row: ModuleAdvice, m: Measurement, ref: Measurement | Non
         _saturation(m),
         _flushed(m),
     )
-
-
-def _choice(row: ModuleAdvice, lost: float, kept_word: str, flagged: bool) -> Choice:
-    """The module's options in the advice, its chosen one lowered by the margin it lost (ruled
-    out when the module has an alert)."""
-    options = []
-    for m in row.measurements:
-        db = m.model_grad_sqnr - (lost if m.candidate == row.choice else 0.0)
-        if flagged and m.candidate == row.choice:
-            db = -math.inf
-        options.append(Option(m.candidate, db_to_ratio(db) if db != -math.inf else math.inf, db))
-    kept = row.kept_measurement
-    kept_db = math.inf if kept is None else kept.model_grad_sqnr
-    options.append(Option(kept_word, db_to_ratio(kept_db), kept_db))
-    return Choice(row.name, options)
 
 
 def _db(db: float) -> str:

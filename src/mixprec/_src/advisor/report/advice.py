@@ -10,7 +10,7 @@ from typing import Any
 
 import torch
 
-from mixprec._src.advisor.speed import Time
+from mixprec._src.advisor.speed.model import Time
 from mixprec._src.autocast.policy import Policy
 from mixprec._src.autocast.rules import format_dtype
 from mixprec._src.fp8.stats import Fp8ModuleStats
@@ -169,6 +169,8 @@ class StepTime:
         casts: of ``proposal``, their casts (fp8 operands, the inputs of fp32 islands).
         other: the step's other matmuls (attention, functional matmuls) in 16-bit, in both;
             elementwise ops, norms, the optimizer and communication are not modelled.
+        left_out: the measured modules without a predicted time (no GEMM the model knows),
+            in neither sum.
     """
 
     gpu: str
@@ -177,6 +179,7 @@ class StepTime:
     gemms: float
     casts: float
     other: float
+    left_out: tuple[str, ...] = ()
 
     @property
     def speedup(self) -> float:
@@ -209,7 +212,6 @@ class Advice:
         measured_sqnr: the SQNR measured with the proposal applied (``check=True``), else None.
         cheapest: every module in its cheapest finite candidate, predicted and measured: how
             far the additive prediction is off on this model (:class:`Cheapest`).
-        mode: ``"exact"`` or ``"estimate"``.
         passes: forward+backward passes over the batches that the advice took.
         notes: anything else worth knowing (modules that did not run, an unmet target).
         gpu: the GPU the speed model predicted for (``"h100"``, ...), or None.
@@ -232,7 +234,6 @@ class Advice:
     region_sqnr: float
     measured_sqnr: float | None
     cheapest: Cheapest | None
-    mode: str
     passes: int
     notes: tuple[str, ...] = field(default=())
     gpu: str | None = None
@@ -250,7 +251,7 @@ class Advice:
 
         Host sync: none.
         """
-        from mixprec._src.advisor.table import render
+        from mixprec._src.advisor.report.table import render
 
         return render(self)
 
@@ -275,7 +276,6 @@ class Advice:
                 "region_sqnr": self.region_sqnr,
                 "measured_sqnr": self.measured_sqnr,
                 "cheapest": None if self.cheapest is None else _cheapest_dict(self.cheapest),
-                "mode": self.mode,
                 "passes": self.passes,
                 "notes": list(self.notes),
                 "gpu": self.gpu,
@@ -307,7 +307,7 @@ class Advice:
 
         Host sync: none.
         """
-        from mixprec._src.advisor.plot import draw
+        from mixprec._src.advisor.report.plot import draw
 
         return draw(self, path, ax)
 

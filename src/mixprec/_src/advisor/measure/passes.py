@@ -1,28 +1,36 @@
-"""The measurement engine: the float32 reference pass, isolated passes, policy passes.
+"""The passes: the float32 reference, one module alone in a candidate, the region under a policy.
 
 Every pass runs the loss function on every batch, then backward (of the loss times the loss scale
 when float16 is involved), then takes the parameters' gradients. Between passes the
-:class:`~mixprec._src.advisor.state.Guard` resets gradients, buffers and RNG state, so every pass
-starts from the same state and sees the same random numbers.
+:class:`~mixprec._src.advisor.measure.guard.Guard` resets gradients, buffers and RNG state, so
+every pass starts from the same state and sees the same random numbers. Every pass runs in a
+disabled region without a policy, so that the reference is float32 (and a module's isolated
+pass runs only its own region) also where ``advise`` or ``Watch.step`` is called inside an
+autocast region; the caller's region is back in force when the pass ends.
 """
 
 from __future__ import annotations
 
 import math
-from collections.abc import Callable, Sequence
-from contextlib import AbstractContextManager, ExitStack
+import threading
+from collections.abc import Callable, Iterator, Sequence
+from contextlib import AbstractContextManager, ExitStack, contextmanager
 from dataclasses import dataclass, field
 from typing import Any
 
 import torch
 from torch import nn
 
+from mixprec._src.advisor.arguments import LOSS_FORM
 from mixprec._src.advisor.candidates import Candidate
-from mixprec._src.advisor.checks import LOSS_FORM
-from mixprec._src.advisor.metrics import FP16_MAX, Power
-from mixprec._src.advisor.state import Guard
-from mixprec._src.advisor.taps import Record, Tap, around, attached
-from mixprec._src.advisor.timing import FlopCount, counting
+from mixprec._src.advisor.measure.guard import Guard
+from mixprec._src.advisor.measure.metrics import FP16_MAX, Fp16Range, Power, fp16_range
+from mixprec._src.advisor.measure.taps import Record, Tap, around, attached
+from mixprec._src.advisor.report.advice import Measurement
+from mixprec._src.advisor.speed.shapes import FlopCount, Gemms, counting, gemm_shapes
+from mixprec._src.autocast.policy import Policy
+from mixprec._src.autocast.region import autocast
+from mixprec._src.fp8.stats import Fp8Stats
 from mixprec.errors import ConfigError
 
 #: Powers of two of headroom between the largest reference gradient times the proposed initial
@@ -34,13 +42,15 @@ Progress = Callable[[int, int, str], None]
 
 
 @dataclass
-class Target:
-    """One measured module and what the reference pass recorded of it."""
+class Subject:
+    """One measured module and what the reference pass recorded of it: its tensors and its
+    GEMMs (all the speed model needs of it)."""
 
     name: str
     module: nn.Module
     param_index: list[int]
     record: Record = field(default_factory=Record)
+    shapes: Gemms | None = None
 
 
 @dataclass
@@ -54,18 +64,23 @@ class Job:
     candidates: list[Candidate]
     region: torch.dtype
     progress: Progress | None = None
-    total_passes: int = 0
 
 
 class Engine:
-    """Runs passes on a guarded model and counts them. Host sync: several per pass."""
+    """Runs passes on a guarded model and counts them: the one owner of the pass count (done,
+    and the total that ``progress`` is told). Host sync: several per pass."""
 
-    def __init__(self, job: Job, guard: Guard) -> None:
+    def __init__(self, job: Job, guard: Guard, planned: int = 0) -> None:
         self.job = job
         self.guard = guard
         self.passes = 0
+        self.planned = planned
         self.scale = 1.0
         self.reference: list[torch.Tensor | None] = []
+
+    def expect(self, more: int) -> None:
+        """``more`` passes beyond (or, negative, short of) the plan: the progress total."""
+        self.planned += more
 
     @property
     def device_type(self) -> str:
@@ -83,7 +98,9 @@ class Engine:
         unscaled gradients."""
         self.guard.reset()
         with ExitStack() as stack:
+            stack.enter_context(_passing())
             stack.enter_context(torch.enable_grad())
+            stack.enter_context(_float32(self.device_type))
             stack.enter_context(attached(list(taps)))
             if isolate is not None:
                 stack.enter_context(around(*isolate))
@@ -96,7 +113,7 @@ class Engine:
         grads = self.guard.take_grads()
         self.passes += 1
         if self.job.progress is not None:
-            self.job.progress(self.passes, self.job.total_passes, label)
+            self.job.progress(self.passes, max(self.planned, self.passes), label)
         if self.scale == 1.0:
             return grads
         return [None if g is None else g.float() / self.scale for g in grads]
@@ -126,13 +143,14 @@ class Engine:
         finally:
             handle.remove()
 
-    def run_reference(self, targets: Sequence[Target], flops: FlopCount | None = None) -> None:
-        """The float32 pass: records every target (and counts the matmul FLOP into ``flops``);
+    def run_reference(self, subjects: Sequence[Subject], flops: FlopCount | None = None) -> None:
+        """The float32 pass: records every subject (and counts the matmul FLOP into ``flops``);
         raises if it is not finite."""
-        taps = [Tap(t.module) for t in targets]
+        taps = [Tap(t.module) for t in subjects]
         grads = self.run("float32 reference", taps, outer=counting(flops))
-        for target, tap in zip(targets, taps, strict=True):
-            target.record = tap.record
+        for subject, tap in zip(subjects, taps, strict=True):
+            subject.record = tap.record
+            subject.shapes = gemm_shapes(subject.module, tap.record)
         bad = [
             name
             for (name, p), g in zip(self.job.model.named_parameters(), grads, strict=True)
@@ -181,11 +199,11 @@ def _checked_loss(loss: object) -> torch.Tensor:
     return loss
 
 
-def propose_scale(targets: Sequence[Target], grads: Sequence[torch.Tensor | None]) -> float:
+def propose_scale(subjects: Sequence[Subject], grads: Sequence[torch.Tensor | None]) -> float:
     """The largest power of two that keeps every reference gradient SCALE_HEADROOM times below
     the float16 maximum (clamped to SCALE_RANGE). Host sync: one per tensor."""
     largest = 0.0
-    for tensor in _all_grads(targets, grads):
+    for tensor in _all_grads(subjects, grads):
         largest = max(largest, float(tensor.abs().max()))
     if largest == 0.0:
         return SCALE_RANGE[1]
@@ -194,10 +212,85 @@ def propose_scale(targets: Sequence[Target], grads: Sequence[torch.Tensor | None
 
 
 def _all_grads(
-    targets: Sequence[Target], grads: Sequence[torch.Tensor | None]
+    subjects: Sequence[Subject], grads: Sequence[torch.Tensor | None]
 ) -> list[torch.Tensor]:
     out = [g for g in grads if g is not None and g.numel()]
-    for t in targets:
+    for t in subjects:
         for calls in (t.record.output_grads, t.record.input_grads):
             out += [g for call in calls for g in call if g is not None and g.numel()]
     return out
+
+
+_PASS = threading.local()
+
+
+def in_pass() -> bool:
+    """Whether this thread is inside one of the advisor's passes. Host sync: none."""
+    return getattr(_PASS, "depth", 0) > 0
+
+
+@contextmanager
+def _passing() -> Iterator[None]:
+    _PASS.depth = getattr(_PASS, "depth", 0) + 1
+    try:
+        yield
+    finally:
+        _PASS.depth -= 1
+
+
+def _float32(device_type: str) -> autocast:
+    """A disabled region without rules: float32 whatever region the caller is in."""
+    return autocast(device_type, enabled=False, policy=_NO_RULES)
+
+
+_NO_RULES = Policy()
+
+
+def isolated(engine: Engine, subject: Subject, cand: Candidate) -> Measurement:
+    """Run ``subject`` alone in ``cand`` (the rest in float32) and compare with the reference."""
+    tap = Tap(subject.module, against=subject.record, scale=engine.scale)
+    stats = Fp8Stats() if cand.recipe is not None else None
+    make = cand.isolated(subject.module, subject.name, engine.device_type, engine.job.region, stats)
+    grads = engine.run(f"{subject.name} in {cand.word}", [tap], isolate=(subject.module, make))
+    has_input_grads = subject.record.has_input_grad
+    weight = engine.subset_power(grads, subject.param_index) if subject.param_index else None
+    return Measurement(
+        candidate=cand.word,
+        model_grad_sqnr=engine.model_power(grads).sqnr,
+        output_sqnr=tap.comparison.output.sqnr,
+        input_grad_sqnr=tap.comparison.input_grad.sqnr if has_input_grads else None,
+        weight_grad_sqnr=None if weight is None else weight.sqnr,
+        fp8=None if stats is None else stats.read().get(subject.name),
+    )
+
+
+def with_policy(engine: Engine, label: str, policy: Policy | None) -> float:
+    """Whole-model gradient SQNR with the model in the region under ``policy``."""
+    device_type, dtype = engine.device_type, engine.job.region
+
+    def region() -> autocast:
+        return autocast(device_type, dtype=dtype, policy=policy or _NO_RULES)
+
+    return engine.model_power(engine.run(label, region=region)).sqnr
+
+
+def fp16_ranges(engine: Engine, subjects: Sequence[Subject]) -> dict[str, Fp16Range | None]:
+    """With float16 in play: the proposed loss scale (every later pass uses it) and each
+    subject's range figures; else no figures and no scale."""
+    if not uses_fp16(engine.job):
+        return dict.fromkeys((t.name for t in subjects), None)
+    engine.scale = propose_scale(subjects, engine.reference)
+    return {t.name: _range(t, engine) for t in subjects}
+
+
+def _range(t: Subject, engine: Engine) -> Fp16Range:
+    record = t.record
+    grads = [engine.reference[i] for i in t.param_index]
+    for calls in (record.output_grads, record.input_grads):
+        grads += [g for call in calls for g in call]
+    return fp16_range([o for call in record.outputs for o in call], grads, engine.scale)
+
+
+def uses_fp16(job: Job) -> bool:
+    """Whether float16 is the region's dtype or a candidate (loss scaling matters)."""
+    return job.region == torch.float16 or any(c.is_fp16 for c in job.candidates)

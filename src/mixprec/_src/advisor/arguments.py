@@ -5,18 +5,15 @@ from __future__ import annotations
 
 import inspect
 import math
-from collections.abc import Callable, Sequence
+from collections.abc import Callable
 from typing import Any
 
 import torch
 from torch import nn
 
-from mixprec._src.advisor.candidates import Candidate
-from mixprec._src.fp8 import hook as fp8_hook
-from mixprec._src.fp8.recipes import get_recipe
+from mixprec._src.advisor.choose.search import OBJECTIVES
+from mixprec._src.torch_compat import compiled_original
 from mixprec.errors import ConfigError
-
-OBJECTIVES = ("fewest_kept", "speed")
 
 LOSS_FORM = (
     "the advisor calls it as loss_fn(model, batch): it runs the model on the batch and returns "
@@ -32,8 +29,7 @@ def check_args(
     objective: object,
 ) -> None:
     """``numbers``: (min_sqnr, keep_at_most); ``flags``: (check, more_batches, progress)."""
-    if not isinstance(model, nn.Module):
-        raise ConfigError(f"model must be a torch.nn.Module, got {type(model).__name__}")
+    check_model(model)
     if not callable(loss_fn):
         raise ConfigError(f"loss_fn must be callable; {LOSS_FORM}; got {type(loss_fn).__name__}")
     _check_numbers(*numbers)
@@ -104,24 +100,28 @@ def check_loss_signature(loss_fn: Callable[..., Any], model: nn.Module, batch: A
         ) from None
 
 
-def check_served(cands: Sequence[Candidate], chosen: Sequence[tuple[str, nn.Module]]) -> None:
-    """Every candidate must serve at least one measured module."""
-    for cand in cands:
-        if not any(cand.serves(m) for _, m in chosen):
-            names = ", ".join(f"{n} ({type(m).__name__})" for n, m in chosen[:8])
-            tiles = ""
-            if cand.recipe is not None:
-                _, k, n = get_recipe(cand.recipe).multiples()
-                if (k, n) != (1, 1):
-                    tiles = f" with in_features a multiple of {k} and out_features of {n}"
-            raise ConfigError(
-                f"candidate {cand.word!r} serves {fp8_hook.SERVES}{tiles}; none of the "
-                f"measured modules is one: {names}{', ...' if len(chosen) > 8 else ''}"
-            )
-
-
 def device_of(model: nn.Module) -> torch.device:
     """Where the model's first parameter or buffer lives (the CPU for an empty model)."""
     for tensor in (*model.parameters(), *model.buffers()):
         return tensor.device
     return torch.device("cpu")
+
+
+def check_model(model: object) -> None:
+    """A module the advisor can hook: not a ``torch.compile``'d one (its graph would replay
+    the hooks of its first call).
+
+    Raises:
+        ConfigError: not a module, or a compiled one (the message says what to pass).
+    """
+    if not isinstance(model, nn.Module):
+        raise ConfigError(f"model must be a torch.nn.Module, got {type(model).__name__}")
+    compiled = next((n for n, m in model.named_modules() if compiled_original(m) is not None), None)
+    if compiled is not None:
+        what = "model is" if not compiled else f"model.{compiled} is"
+        raise ConfigError(
+            f"{what} a torch.compile'd module; the advisor measures the eager model, module by "
+            "module, through forward hooks a compiled graph does not run: pass the module you "
+            "compiled (its ._orig_mod, the same parameters) and train the compiled one with "
+            "the proposed policy"
+        )

@@ -13,22 +13,30 @@ from __future__ import annotations
 import math
 from collections.abc import Iterator, Sequence
 from contextlib import contextmanager
+from dataclasses import dataclass
 from typing import Any
 
 import torch
 import torch.utils.flop_counter as flop_counter
 from torch import nn
 
-from mixprec._src.advisor.candidates import Candidate
-from mixprec._src.advisor.formats import dtype_format, recipe_operands
-from mixprec._src.advisor.gpus import GPU
-from mixprec._src.advisor.report import StepTime
-from mixprec._src.advisor.speed import Operands, Shape, Time, module_time
-from mixprec._src.advisor.taps import Record
+from mixprec._src.advisor.measure.taps import Record
+from mixprec._src.advisor.report.advice import StepTime
+from mixprec._src.advisor.speed.gpus import GPU
+from mixprec._src.advisor.speed.model import Operands, Shape, Time, module_time
 
 
-def gemm_shapes(module: nn.Module, record: Record) -> list[Shape] | None:
-    """One shape per recorded call, None for a module without a GEMM."""
+@dataclass(frozen=True)
+class Gemms:
+    """A module's GEMMs in one step, as the reference pass saw them: one shape per call, and
+    whether an input needed a gradient (else no input-gradient GEMM runs)."""
+
+    calls: tuple[Shape, ...]
+    input_grad: bool
+
+
+def gemm_shapes(module: nn.Module, record: Record) -> Gemms | None:
+    """The module's GEMMs, None for a module without one."""
     shapes = []
     for outputs in record.outputs:
         if not outputs:
@@ -37,7 +45,7 @@ def gemm_shapes(module: nn.Module, record: Record) -> list[Shape] | None:
         if shape is None:
             return None
         shapes.append(shape)
-    return shapes or None
+    return Gemms(tuple(shapes), record.has_input_grad) if shapes else None
 
 
 def _shape(module: nn.Module, out: torch.Tensor) -> Shape | None:
@@ -53,44 +61,26 @@ def _shape(module: nn.Module, out: torch.Tensor) -> Shape | None:
     return None
 
 
-def _has_input_grad(record: Record) -> bool:
-    return any(any(g is not None for g in call) for call in record.input_grads)
-
-
-def operands(cand_word: str, cand: Candidate | None, region: torch.dtype) -> Operands | None:
-    """The operand formats of a candidate (``cand``) or of the kept precision (``cand_word``
-    alone: ``"fp32"`` or the region's dtype word)."""
-    high = dtype_format(region)
-    if cand is None:
-        return Operands.uniform(dtype_format(torch.float32) if cand_word == "fp32" else high)
-    if cand.recipe is not None:
-        return recipe_operands(cand.recipe, high)
-    assert cand.dtype is not None
-    return Operands.uniform(dtype_format(cand.dtype))
-
-
-def option_time(gpu: GPU, module: nn.Module, record: Record, ops: Operands | None) -> Time | None:
+def predict(gpu: GPU, gemms: Gemms | None, ops: Operands) -> Time | None:
     """The module's time with ``ops``; None without a GEMM or when ``gpu`` cannot run it."""
-    shapes = gemm_shapes(module, record)
-    if shapes is None or ops is None:
+    if gemms is None:
         return None
-    time = module_time(gpu, shapes, ops)
-    if time is None or _has_input_grad(record):
-        return time
-    return Time(time.forward, 0.0, time.weight_grad, time.casts)
+    return module_time(gpu, gemms.calls, ops, gemms.input_grad)
 
 
 def step_time(
-    gpu: GPU, baseline: Sequence[Time | None], chosen: Sequence[Time | None], other_flops: float
+    gpu: GPU, rows: Sequence[tuple[str, Time | None, Time | None]], other_flops: float
 ) -> StepTime:
-    """Sum the modules' times (a module without a GEMM adds nothing)."""
-    base = sum(t.total for t in baseline if t is not None)
-    gemms = sum(t.gemms for t in chosen if t is not None)
-    casts = sum(t.casts for t in chosen if t is not None)
+    """Sum the modules' times, each row ``(name, in bf16, in the proposal)``; a module without
+    a predicted time adds nothing, and the step says it left it out."""
+    base = sum(b.total for _, b, _ in rows if b is not None)
+    gemms = sum(c.gemms for _, _, c in rows if c is not None)
+    casts = sum(c.casts for _, _, c in rows if c is not None)
     rate = gpu.rate("bf16")
     assert rate is not None
     other = other_flops / rate
-    return StepTime(gpu.name, base + other, gemms + casts + other, gemms, casts, other)
+    left_out = tuple(name for name, b, c in rows if b is None or c is None)
+    return StepTime(gpu.name, base + other, gemms + casts + other, gemms, casts, other, left_out)
 
 
 def _sdpa(q: Any, k: Any, v: Any, *args: Any, out_val: Any = None, **kwargs: Any) -> int:
@@ -135,8 +125,9 @@ def counting(count: FlopCount | None) -> Iterator[None]:
     count.total += int(mode.get_total_flops())
 
 
-def counted_flops(module: nn.Module, record: Record) -> float:
+def counted_flops(gemms: Gemms | None) -> float:
     """The FLOP the counter saw for a measured module's GEMMs in the reference pass."""
-    shapes = gemm_shapes(module, record) or []
-    per_call = 3 if _has_input_grad(record) else 2
-    return float(sum(2 * s.m * s.k * s.n * s.groups * per_call for s in shapes))
+    if gemms is None:
+        return 0.0
+    per_call = 3 if gemms.input_grad else 2
+    return float(sum(2 * s.m * s.k * s.n * s.groups * per_call for s in gemms.calls))

@@ -17,7 +17,7 @@ import torch
 from torch import nn
 from torch.utils._pytree import tree_flatten, tree_map
 
-from mixprec._src.advisor.metrics import Power
+from mixprec._src.advisor.measure.metrics import Power
 
 _SEQUENCE = itertools.count()
 
@@ -38,6 +38,11 @@ class Record:
     @property
     def calls(self) -> int:
         return len(self.outputs)
+
+    @property
+    def has_input_grad(self) -> bool:
+        """Whether an input of the module needed a gradient (it ran an input-gradient GEMM)."""
+        return any(any(g is not None for g in call) for call in self.input_grads)
 
 
 class Comparison:

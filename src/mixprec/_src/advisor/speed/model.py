@@ -23,7 +23,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 from dataclasses import dataclass
 
-from mixprec._src.advisor.gpus import GPU, KERNEL_FLOOR_S
+from mixprec._src.advisor.speed.gpus import GPU, KERNEL_FLOOR_S
 
 ROW = 0  #: ``Format.block`` for one scale per row of the contraction (axis-wise, "rowwise")
 
@@ -183,22 +183,28 @@ def _upcast_s(gpu: GPU, numel: int) -> float:
     return max(6.0 * numel / gpu.memory_rate, KERNEL_FLOOR_S)
 
 
-def module_time(gpu: GPU, shapes: Sequence[Shape], ops: Operands) -> Time | None:
-    """A module's predicted time over its calls, None if ``gpu`` cannot run ``ops``."""
-    low, high = ops.capability
-    if not low <= gpu.capability < high:
+def module_time(
+    gpu: GPU, shapes: Sequence[Shape], ops: Operands, input_grad: bool = True
+) -> Time | None:
+    """A module's predicted time over its calls, None if ``gpu`` cannot run ``ops``. Without
+    ``input_grad`` (no input of the module needs a gradient) the input-gradient GEMM does not
+    run, and neither do the casts of its operands."""
+    if not runs(gpu, ops):
         return None
     total = ZERO
     for s in shapes:
         m, k, n = s.m, s.k, s.n
         fwd = gemm_s(gpu, m, k, n, ops.x, ops.w)
-        gi = gemm_s(gpu, m, n, k, ops.dy_gi, ops.w_gi)
+        gi = gemm_s(gpu, m, n, k, ops.dy_gi, ops.w_gi) if input_grad else 0.0
         gw = gemm_s(gpu, k, m, n, ops.x_gw, ops.dy_gw)
         if fwd is None or gi is None or gw is None:
             return None
+        w_copies, dy_copies = [(ops.w, False)], [(ops.dy_gw, True)]
+        if input_grad:
+            w_copies.append((ops.w_gi, True))
+            dy_copies.insert(0, (ops.dy_gi, False))
         casts = cast_s(gpu, m, k, [(ops.x, False), (ops.x_gw, True)])
-        casts += cast_s(gpu, n, k, [(ops.w, False), (ops.w_gi, True)])
-        casts += cast_s(gpu, m, n, [(ops.dy_gi, False), (ops.dy_gw, True)])
+        casts += cast_s(gpu, n, k, w_copies) + cast_s(gpu, m, n, dy_copies)
         if ops.x.kind == "fp32":
             casts += _upcast_s(gpu, m * k)
         g = s.groups
@@ -206,8 +212,8 @@ def module_time(gpu: GPU, shapes: Sequence[Shape], ops: Operands) -> Time | None
     return total
 
 
-def matmul_s(gpu: GPU, flops: float) -> float:
-    """Seconds of ``flops`` of other matmuls (attention) in 16-bit, at the compute rate."""
-    rate = gpu.rate("bf16")
-    assert rate is not None
-    return flops / rate
+def runs(gpu: GPU, ops: Operands) -> bool:
+    """Whether ``gpu`` runs ``ops``'s matmuls in hardware (its compute capability is in the
+    recipe's range). Host sync: none."""
+    low, high = ops.capability
+    return low <= gpu.capability < high

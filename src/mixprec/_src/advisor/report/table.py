@@ -10,8 +10,8 @@ from typing import TYPE_CHECKING
 from mixprec._src.autocast.rules import format_dtype
 
 if TYPE_CHECKING:
-    from mixprec._src.advisor.report import Advice, ModuleAdvice
-    from mixprec._src.advisor.speed import Time
+    from mixprec._src.advisor.report.advice import Advice, ModuleAdvice
+    from mixprec._src.advisor.speed.model import Time
 
 _OPERANDS = (("in", "input"), ("w", "weight"), ("go", "grad_output"))
 
@@ -142,7 +142,7 @@ def render(advice: Advice) -> str:
     lines = [
         f"mixprec advise: {len(advice.modules)} modules, candidates "
         f"{', '.join(advice.candidates)}, region {format_dtype(advice.dtype)}, "
-        f"{advice.mode} mode ({advice.passes} passes){speed}",
+        f"{advice.passes} passes{speed}",
         "SQNR (signal-to-quantization-noise ratio) against float32, in dB: higher is better "
         "(one tensor rounded to bf16: about 47; to fp8: 21-29)",
         "",

@@ -1,0 +1,394 @@
+"""``mixprec.advise``: measure every module in every candidate precision, propose the policy.
+
+In order: the float32 reference pass (which also records each module's GEMM shapes, all the
+speed model needs), each module alone in each candidate, the region with every measured module
+in float32, every module in its cheapest candidate (the additive model's own check), the
+search (around fp8, each module it keeps is measured in the region's dtype and the search
+redone), the policy, and with ``check`` the policy measured.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, replace
+from typing import Any
+
+import torch
+from torch import nn
+
+from mixprec._src.advisor.arguments import (
+    check_args,
+    check_float32,
+    check_loss_signature,
+    device_of,
+)
+from mixprec._src.advisor.candidates import (
+    Candidate,
+    check_served,
+    high_word,
+    parse_candidates,
+    region_dtype,
+    unserved_reason,
+)
+from mixprec._src.advisor.choose.options import module_choice
+from mixprec._src.advisor.choose.policy import build_policy
+from mixprec._src.advisor.choose.search import Proposal, Target, search
+from mixprec._src.advisor.measure.guard import Guard
+from mixprec._src.advisor.measure.metrics import db_to_ratio, ratio_to_db
+from mixprec._src.advisor.measure.passes import (
+    Engine,
+    Job,
+    Progress,
+    Subject,
+    fp16_ranges,
+    isolated,
+    uses_fp16,
+    with_policy,
+)
+from mixprec._src.advisor.measure.selection import select
+from mixprec._src.advisor.report.advice import (
+    Advice,
+    Cheapest,
+    Fp16Range,
+    Measurement,
+    ModuleAdvice,
+    StepTime,
+)
+from mixprec._src.advisor.speed.gpus import GPU, get_gpu
+from mixprec._src.advisor.speed.model import BF16, Operands, Time
+from mixprec._src.advisor.speed.operands import operands
+from mixprec._src.advisor.speed.shapes import FlopCount, counted_flops, predict, step_time
+from mixprec._src.autocast.policy import Policy
+from mixprec._src.autocast.rules import format_dtype
+from mixprec.errors import ConfigError
+
+LossFn = Callable[[nn.Module, Any], torch.Tensor]
+
+
+def advise(
+    model: nn.Module,
+    batch: Any,
+    loss_fn: LossFn,
+    *,
+    candidates: Sequence[str] | str | None = None,
+    min_sqnr: float | None = None,
+    keep_at_most: int | None = None,
+    modules: Sequence[str | type[nn.Module]] | None = None,
+    more_batches: Sequence[Any] = (),
+    check: bool = False,
+    progress: Progress | None = None,
+    gpu: str | None = None,
+    objective: str = "fewest_kept",
+) -> Advice:
+    """Measure each module's error in each candidate precision and propose a :class:`Policy`.
+
+    Runs a float32 reference forward+backward (``loss_fn(model, batch).backward()``), then one
+    pass per module and candidate with only that module in the candidate precision, and one
+    pass of the region with every measured module in float32 (the error of the ops between
+    them); around fp8, each kept module is also measured in the region's dtype. Per module it
+    reports the SQNR of the output, of the input and weight gradients and of the whole model's
+    gradient, for float16 the values out of range and the gradients that flush to zero with and
+    without loss scaling, for fp8 the saturated and flushed fractions of each operand. The
+    proposal keeps the most sensitive modules out of the candidates until the predicted
+    whole-model gradient SQNR meets ``min_sqnr`` (or keeps the ``keep_at_most`` most sensitive
+    ones). The model's parameters, buffers, ``.grad`` and torch's RNG state are left as they
+    were.
+
+    Args:
+        model: the model, on the device to measure on.
+        batch: one batch, passed to ``loss_fn`` as is.
+        loss_fn: ``loss_fn(model, batch)`` returns the scalar loss (it calls the model).
+        candidates: rule words, cheapest first: ``"fp16"``, ``"bf16"``, fp8 recipes
+            (``"fp8"``, ``"fp8:rowwise"``, ``"fp8:rowwise_gw_hp"``; they serve ``nn.Linear``)
+            (default: torch's autocast dtype for the device, e.g. bf16 on the CPU, fp16 on CUDA).
+        min_sqnr: the target: the least whole-model gradient SQNR in dB.
+        keep_at_most: the most modules to keep out of every candidate. Without ``min_sqnr``,
+            the ``keep_at_most`` most sensitive modules are kept. With neither, only modules
+            whose every candidate gives inf/NaN are kept.
+        modules: what to measure: qualified-name globs or ``nn.Module`` classes (default: every
+            leaf module with trainable parameters except norms and embeddings).
+        more_batches: a list of further batches; every pass runs over all of them.
+        check: apply the proposal and measure its real SQNR (one more pass).
+        progress: called as ``progress(done, total, label)`` after every pass.
+        gpu: a GPU for the speed model (``"h100"``, ``"h200"``, ``"h200-nvl"``,
+            ``"b200"``, ``"b300"``): each module's predicted time per candidate (its three
+            GEMMs and casts, for the shapes of ``batch``) and the step's predicted speedup
+            against bf16 (docs/advisor.md says how it is modelled).
+        objective: what the search minimises once ``min_sqnr`` is met: ``"fewest_kept"``
+            (default: the fewest modules kept, the cheapest candidates) or ``"speed"`` (the
+            fastest policy on ``gpu``; needs a ``gpu``).
+
+    Returns:
+        An :class:`~mixprec.types.Advice`: the policy, the region dtype, a suggested
+        ``GradScaler`` ``init_scale``, the prediction and the per-module figures, with
+        ``table()``, ``plot()`` and ``to_json()``.
+
+    Raises:
+        ConfigError: a bad argument (before any pass), a model with 16-bit parameters, a loss
+            function that cannot be called as ``loss_fn(model, batch)`` or does not return a
+            scalar loss that requires grad, a float32 reference with inf/NaN gradients.
+
+    Example:
+        >>> import torch, mixprec
+        >>> from torch import nn
+        >>> model = nn.Sequential(nn.Linear(8, 8), nn.Tanh(), nn.Linear(8, 1))
+        >>> x, y = torch.randn(16, 8), torch.randn(16, 1)
+        >>> loss = lambda m, b: torch.nn.functional.mse_loss(m(b[0]).float(), b[1])
+        >>> advice = mixprec.advise(model, (x, y), loss, candidates=["fp16"], keep_at_most=1)
+        >>> advice.kept_precision, len(advice.kept)
+        ('fp32', 1)
+        >>> mixprec.Policy(str(advice.policy)) == advice.policy
+        True
+
+    Host sync: many (every pass reads its figures back to the host).
+    """
+    check_args(model, loss_fn, (min_sqnr, keep_at_most), (check, more_batches, progress), objective)
+    spec = None if gpu is None else get_gpu(gpu)
+    if objective == "speed" and spec is None:
+        raise ConfigError('objective="speed" needs a GPU to predict for, e.g. gpu="h100"')
+    check_float32(model)
+    check_loss_signature(loss_fn, model, batch)
+    device = device_of(model)
+    cands = parse_candidates(candidates, device.type)
+    chosen = select(model, modules)
+    check_served(cands, chosen)
+    job = Job(model, [batch, *more_batches], loss_fn, device, cands, region_dtype(cands), progress)
+    goal = Goal(Target(min_sqnr, keep_at_most, objective), spec, check)
+    with Guard(model, device) as guard:
+        engine = Engine(job, guard, planned=_planned(cands, chosen, check))
+        return _advise(engine, _subjects(chosen, guard.params), goal)
+
+
+@dataclass(frozen=True)
+class Goal:
+    """What the search aims for, the GPU it predicts for, and whether to check the policy."""
+
+    target: Target
+    gpu: GPU | None
+    check: bool
+
+
+def _subjects(chosen: list[tuple[str, nn.Module]], params: list[nn.Parameter]) -> list[Subject]:
+    position = {id(p): i for i, p in enumerate(params)}
+    return [
+        Subject(name, mod, sorted({position[id(p)] for p in mod.parameters()}))
+        for name, mod in chosen
+    ]
+
+
+def _planned(cands: list[Candidate], chosen: list[tuple[str, nn.Module]], check: bool) -> int:
+    """The reference, the isolated passes, the region, the cheapest policy and the check (the
+    engine is told of kept modules measured around fp8, and of a check it need not run)."""
+    isolated = sum(c.serves(m) for c in cands for _, m in chosen)
+    return 1 + isolated + 2 + int(check)
+
+
+def _advise(engine: Engine, subjects: list[Subject], goal: Goal) -> Advice:
+    """Measure, search and report (the model is guarded by the caller)."""
+    job = engine.job
+    flops = FlopCount() if goal.gpu is not None else None
+    subjects, notes = _reference(engine, subjects, flops)
+    served = [s for s in subjects if any(c.serves(s.module) for c in job.candidates)]
+    ranges = fp16_ranges(engine, served)
+    found = {s.name: [_measured(engine, s, c, goal.gpu) for c in _serving(job, s)] for s in served}
+    touched = [s for s in served if s.shapes is not None or not _exact(found[s.name])]
+    names = [s.name for s in touched]
+    region_word = format_dtype(job.region)
+    islands = build_policy(job.model, dict.fromkeys(names, "fp32"), region_word, names)
+    region_sqnr = with_policy(engine, "region, measured modules in fp32", islands)
+    cheapest = _cheapest(engine, found, region_sqnr, names)
+    proposal, kept = _choose(engine, touched, found, ranges, region_sqnr, goal)
+    picked = {c.name: c.current.word for c in proposal.choices}
+    policy = build_policy(job.model, picked, region_word, names)
+    measured = _check_pass(engine, goal, policy, cheapest)
+    rows = [_row(engine, s, (found, ranges, kept), proposal, goal.gpu) for s in subjects]
+    notes += _unserved_note([r for r in rows if not r.served])
+    return Advice(
+        policy=policy,
+        dtype=job.region,
+        device_type=job.device.type,
+        init_scale=engine.scale if uses_fp16(job) else None,
+        kept_precision=high_word(job.candidates, job.region),
+        modules=tuple(rows),
+        candidates=tuple(c.word for c in job.candidates),
+        min_sqnr=goal.target.min_sqnr,
+        keep_at_most=goal.target.keep_at_most,
+        met=proposal.met,
+        predicted_sqnr=proposal.predicted,
+        region_sqnr=region_sqnr,
+        measured_sqnr=measured,
+        cheapest=cheapest,
+        passes=engine.passes,
+        notes=tuple(notes + proposal.notes),
+        gpu=None if goal.gpu is None else goal.gpu.word,
+        objective=goal.target.objective,
+        step=_step(goal.gpu, subjects, rows, flops),
+    )
+
+
+def _exact(found: list[Measurement]) -> bool:
+    """Every candidate left the module exact (a norm whose ops autocast runs in float32)."""
+    return all(m.model_grad_sqnr == math.inf for m in found)
+
+
+def _reference(
+    engine: Engine, subjects: list[Subject], flops: FlopCount | None
+) -> tuple[list[Subject], list[str]]:
+    """The float32 pass; the subjects that ran, in the order they first ran, and notes."""
+    engine.run_reference(subjects, flops)
+    notes = [
+        f"{s.name} did not run in forward; not measured" for s in subjects if not s.record.calls
+    ]
+    ran = sorted((s for s in subjects if s.record.calls), key=lambda s: s.record.first_call)
+    return ran, notes
+
+
+def _serving(job: Job, s: Subject) -> list[Candidate]:
+    return [c for c in job.candidates if c.serves(s.module)]
+
+
+def _measured(engine: Engine, s: Subject, cand: Candidate, gpu: GPU | None) -> Measurement:
+    m = isolated(engine, s, cand)
+    if gpu is None:
+        return m
+    return replace(m, time=predict(gpu, s.shapes, operands(cand, engine.job.region)))
+
+
+def _kept_time(engine: Engine, s: Subject, gpu: GPU | None) -> Time | None:
+    if gpu is None:
+        return None
+    job = engine.job
+    word = high_word(job.candidates, job.region)
+    return predict(gpu, s.shapes, operands(None, job.region, word))
+
+
+def _cheapest(
+    engine: Engine, found: dict[str, list[Measurement]], region_sqnr: float, names: list[str]
+) -> Cheapest:
+    """Every module in its cheapest finite candidate (kept where none is finite), predicted
+    and measured: how far the additive model is off on this model."""
+    job = engine.job
+    high = high_word(job.candidates, job.region)
+    words, noise = {}, db_to_ratio(region_sqnr)
+    for name in names:
+        first = next((m for m in found[name] if m.finite), None)
+        words[name] = high if first is None else first.candidate
+        noise += 0.0 if first is None else db_to_ratio(first.model_grad_sqnr)
+    policy = build_policy(job.model, words, format_dtype(job.region), names)
+    label = "every module in its cheapest candidate"
+    return Cheapest(policy, ratio_to_db(noise), with_policy(engine, label, policy))
+
+
+def _choose(
+    engine: Engine,
+    subjects: list[Subject],
+    found: dict[str, list[Measurement]],
+    ranges: dict[str, Fp16Range | None],
+    region_sqnr: float,
+    goal: Goal,
+) -> tuple[Proposal, dict[str, Measurement]]:
+    """The search; when kept modules run in the region's 16-bit dtype (around fp8), each kept
+    module is measured in it too and the search is redone with those figures."""
+    job = engine.job
+    high = high_word(job.candidates, job.region)
+    kept_cand = None if high == "fp32" else Candidate(high, job.region)
+    kept: dict[str, Measurement] = {}
+    times = {s.name: _kept_time(engine, s, goal.gpu) for s in subjects}
+    while True:
+        choices = [
+            module_choice(
+                s.name,
+                found[s.name],
+                (high, kept.get(s.name), times[s.name]),
+                goal.gpu,
+                fp16=ranges[s.name],
+            )
+            for s in subjects
+        ]
+        proposal = search(choices, db_to_ratio(region_sqnr), goal.target)
+        missing = [
+            s
+            for s, c in zip(subjects, proposal.choices, strict=True)
+            if c.kept and s.name not in kept
+        ]
+        if kept_cand is None or not missing:
+            return proposal, kept
+        engine.expect(len(missing))
+        kept.update({s.name: isolated(engine, s, kept_cand) for s in missing})
+
+
+def _check_pass(engine: Engine, goal: Goal, policy: Policy, cheapest: Cheapest) -> float | None:
+    """With ``check``, the proposal's measured SQNR (the cheapest policy's pass if it is that)."""
+    if not goal.check:
+        return None
+    if policy == cheapest.policy:
+        engine.expect(-1)
+        return cheapest.measured
+    return with_policy(engine, "check: proposal applied", policy)
+
+
+def _row(
+    engine: Engine,
+    s: Subject,
+    figures: tuple[
+        dict[str, list[Measurement]], dict[str, Fp16Range | None], dict[str, Measurement]
+    ],
+    proposal: Proposal,
+    gpu: GPU | None,
+) -> ModuleAdvice:
+    found, ranges, kept = figures
+    choice = next((c for c in proposal.choices if c.name == s.name), None)
+    region_word = format_dtype(engine.job.region)
+    return ModuleAdvice(
+        name=s.name,
+        kind=type(s.module).__name__,
+        params=sum(p.numel() for p in s.module.parameters()),
+        calls=s.record.calls,
+        measurements=tuple(found.get(s.name, ())),
+        fp16=ranges.get(s.name),
+        choice=region_word if choice is None else choice.current.word,
+        reason=_no_rule_reason(engine, s, found) if choice is None else choice.reason,
+        kept_measurement=kept.get(s.name),
+        served=choice is not None,
+        kept_time=_kept_time(engine, s, gpu),
+    )
+
+
+def _no_rule_reason(engine: Engine, s: Subject, found: dict[str, list[Measurement]]) -> str:
+    if s.name in found:  # measured, exact in every candidate
+        return (
+            "no error in any candidate (no matmul: autocast runs its ops in float32): no rule, "
+            "runs as the region runs it"
+        )
+    why = unserved_reason(engine.job.candidates, s.module)
+    kind = type(s.module).__name__
+    return f"no candidate serves {kind} ({why}): no rule, runs as the region runs it"
+
+
+def _unserved_note(rows: list[ModuleAdvice]) -> list[str]:
+    if not rows:
+        return []
+    kinds: dict[str, int] = {}
+    for r in rows:
+        kinds[r.kind] = kinds.get(r.kind, 0) + 1
+    listed = ", ".join(f"{n} x{k}" if k > 1 else n for n, k in kinds.items())
+    return [
+        f"{len(rows)} measured modules get no rule ({listed}; the table says why): they run "
+        "as the region runs them and are not counted as kept"
+    ]
+
+
+def _step(
+    gpu: GPU | None, subjects: list[Subject], rows: list[ModuleAdvice], flops: FlopCount | None
+) -> StepTime | None:
+    """The step's matmuls: the baseline has every measured module in 16-bit."""
+    if gpu is None or flops is None:
+        return None
+    bf16 = Operands.uniform(BF16)
+    timed = []
+    for s, r in zip(subjects, rows, strict=True):
+        base = predict(gpu, s.shapes, bf16)
+        timed.append((s.name, base, r.time if r.served else base))
+    mine = sum(counted_flops(s.shapes) for s in subjects)
+    return step_time(gpu, timed, max(0.0, flops.total - mine))
