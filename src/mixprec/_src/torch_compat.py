@@ -15,16 +15,16 @@ from __future__ import annotations
 # ---------------------------------------------------------------- the advisor
 
 
-def compiled_original(module: object) -> object | None:
-    """The eager module inside a ``torch.compile``'d one (``OptimizedModule._orig_mod``), or
-    None for any other object. The advisor measures that module: its taps and isolated regions
-    are forward hooks, which a compiled graph would trace once and replay.
-
-    Checked on torch 2.4-2.13 (``torch._dynamo.eval_frame.OptimizedModule``); where the class is
-    missing nothing is taken for compiled.
-    """
+def _compiled_module_types() -> tuple[type, ...]:
     try:
         from torch._dynamo.eval_frame import OptimizedModule
     except ImportError:  # a torch without dynamo
-        return None
-    return module._orig_mod if isinstance(module, OptimizedModule) else None
+        return ()
+    return (OptimizedModule,)
+
+
+#: The class of what ``torch.compile(module)`` returns (``OptimizedModule``, whose
+#: ``_orig_mod`` is the eager module), for ``isinstance``. The advisor refuses such a module:
+#: its taps and isolated regions are forward hooks, which a compiled graph traces once and
+#: replays. Checked on torch 2.4-2.13; empty where the class is missing.
+COMPILED_MODULE_TYPES: tuple[type, ...] = _compiled_module_types()

@@ -11,25 +11,23 @@ from __future__ import annotations
 
 import math
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass, replace
+from dataclasses import dataclass, field, replace
 from typing import Any
 
 import torch
 from torch import nn
 
 from mixprec._src.advisor.arguments import (
+    Candidate,
+    Chosen,
     check_args,
     check_float32,
     check_loss_signature,
+    choose_modules,
     device_of,
-)
-from mixprec._src.advisor.candidates import (
-    Candidate,
-    check_served,
     high_word,
     parse_candidates,
     region_dtype,
-    unserved_reason,
 )
 from mixprec._src.advisor.choose.options import module_choice
 from mixprec._src.advisor.choose.policy import build_policy
@@ -41,24 +39,32 @@ from mixprec._src.advisor.measure.passes import (
     Job,
     Progress,
     Subject,
-    fp16_ranges,
     isolated,
+    measure_alone,
     uses_fp16,
     with_policy,
 )
-from mixprec._src.advisor.measure.selection import select
 from mixprec._src.advisor.report.advice import (
     Advice,
     Cheapest,
     Fp16Range,
     Measurement,
     ModuleAdvice,
-    StepTime,
 )
 from mixprec._src.advisor.speed.gpus import GPU, get_gpu
-from mixprec._src.advisor.speed.model import BF16, Operands, Time
+from mixprec._src.advisor.speed.model import (
+    BF16,
+    FlopCount,
+    Gemms,
+    Operands,
+    StepTime,
+    Time,
+    counted_flops,
+    gemm_shapes,
+    predict,
+    step_time,
+)
 from mixprec._src.advisor.speed.operands import operands
-from mixprec._src.advisor.speed.shapes import FlopCount, counted_flops, predict, step_time
 from mixprec._src.autocast.policy import Policy
 from mixprec._src.autocast.rules import format_dtype
 from mixprec.errors import ConfigError
@@ -151,12 +157,11 @@ def advise(
     check_loss_signature(loss_fn, model, batch)
     device = device_of(model)
     cands = parse_candidates(candidates, device.type)
-    chosen = select(model, modules)
-    check_served(cands, chosen)
+    chosen = choose_modules(model, modules, cands)
     job = Job(model, [batch, *more_batches], loss_fn, device, cands, region_dtype(cands), progress)
     goal = Goal(Target(min_sqnr, keep_at_most, objective), spec, check)
     with Guard(model, device) as guard:
-        engine = Engine(job, guard, planned=_planned(cands, chosen, check))
+        engine = Engine(job, guard, planned=_planned(chosen, check))
         return _advise(engine, _subjects(chosen, guard.params), goal)
 
 
@@ -169,41 +174,61 @@ class Goal:
     check: bool
 
 
-def _subjects(chosen: list[tuple[str, nn.Module]], params: list[nn.Parameter]) -> list[Subject]:
+@dataclass
+class Found:
+    """What the passes measured: per module its float16 range figures, its measurement in each
+    serving candidate (with times, with a GPU), its measurement in the kept precision when the
+    search kept it around fp8, and its GEMMs."""
+
+    ranges: dict[str, Fp16Range | None]
+    alone: dict[str, list[Measurement]]
+    kept: dict[str, Measurement]
+    gemms: dict[str, Gemms | None] = field(default_factory=dict)
+    kept_time: dict[str, Time | None] = field(default_factory=dict)
+
+
+def _subjects(chosen: list[Chosen], params: list[nn.Parameter]) -> list[Subject]:
     position = {id(p): i for i, p in enumerate(params)}
     return [
-        Subject(name, mod, sorted({position[id(p)] for p in mod.parameters()}))
-        for name, mod in chosen
+        Subject(
+            c.name,
+            c.module,
+            sorted({position[id(p)] for p in c.module.parameters()}),
+            c.serving,
+            c.why_not,
+        )
+        for c in chosen
     ]
 
 
-def _planned(cands: list[Candidate], chosen: list[tuple[str, nn.Module]], check: bool) -> int:
+def _index(module: nn.Module, position: dict[int, int]) -> list[int]:
+    return sorted({position[id(p)] for p in module.parameters()})
+
+
+def _planned(chosen: list[Chosen], check: bool) -> int:
     """The reference, the isolated passes, the region, the cheapest policy and the check (the
     engine is told of kept modules measured around fp8, and of a check it need not run)."""
-    isolated = sum(c.serves(m) for c in cands for _, m in chosen)
-    return 1 + isolated + 2 + int(check)
+    return 1 + sum(len(c.serving) for c in chosen) + 2 + int(check)
 
 
 def _advise(engine: Engine, subjects: list[Subject], goal: Goal) -> Advice:
     """Measure, search and report (the model is guarded by the caller)."""
     job = engine.job
     flops = FlopCount() if goal.gpu is not None else None
-    subjects, notes = _reference(engine, subjects, flops)
-    served = [s for s in subjects if any(c.serves(s.module) for c in job.candidates)]
-    ranges = fp16_ranges(engine, served)
-    found = {s.name: [_measured(engine, s, c, goal.gpu) for c in _serving(job, s)] for s in served}
-    touched = [s for s in served if s.shapes is not None or not _exact(found[s.name])]
+    engine.run_reference(subjects, flops)
+    ran = sorted((s for s in subjects if s.record.calls), key=lambda s: s.record.first_call)
+    served = [s for s in ran if s.serving]
+    ranges, alone = measure_alone(engine, served)
+    found = _timed(Found(ranges, alone, {}), ran, job, goal.gpu)
+    touched = [s for s in served if found.gemms[s.name] is not None or not _exact(alone[s.name])]
     names = [s.name for s in touched]
-    region_word = format_dtype(job.region)
-    islands = build_policy(job.model, dict.fromkeys(names, "fp32"), region_word, names)
-    region_sqnr = with_policy(engine, "region, measured modules in fp32", islands)
-    cheapest = _cheapest(engine, found, region_sqnr, names)
-    proposal, kept = _choose(engine, touched, found, ranges, region_sqnr, goal)
+    region_sqnr, cheap = _region_and_cheapest(engine, found, names)
+    proposal = _choose(engine, touched, found, region_sqnr, goal)
+    rows = [_row(job, s, found, proposal) for s in ran]
     picked = {c.name: c.current.word for c in proposal.choices}
-    policy = build_policy(job.model, picked, region_word, names)
-    measured = _check_pass(engine, goal, policy, cheapest)
-    rows = [_row(engine, s, (found, ranges, kept), proposal, goal.gpu) for s in subjects]
-    notes += _unserved_note([r for r in rows if not r.served])
+    policy = build_policy(job.model, picked, format_dtype(job.region), names)
+    measured = _check_pass(engine, goal, policy, cheap)
+    notes = [f"{s.name} did not run in forward; not measured" for s in subjects if s not in ran]
     return Advice(
         policy=policy,
         dtype=job.region,
@@ -218,12 +243,12 @@ def _advise(engine: Engine, subjects: list[Subject], goal: Goal) -> Advice:
         predicted_sqnr=proposal.predicted,
         region_sqnr=region_sqnr,
         measured_sqnr=measured,
-        cheapest=cheapest,
+        cheapest=cheap,
         passes=engine.passes,
-        notes=tuple(notes + proposal.notes),
+        notes=tuple(notes + _unserved_note(rows) + proposal.notes),
         gpu=None if goal.gpu is None else goal.gpu.word,
         objective=goal.target.objective,
-        step=_step(goal.gpu, subjects, rows, flops),
+        step=_step(goal.gpu, found, rows, flops),
     )
 
 
@@ -232,90 +257,80 @@ def _exact(found: list[Measurement]) -> bool:
     return all(m.model_grad_sqnr == math.inf for m in found)
 
 
-def _reference(
-    engine: Engine, subjects: list[Subject], flops: FlopCount | None
-) -> tuple[list[Subject], list[str]]:
-    """The float32 pass; the subjects that ran, in the order they first ran, and notes."""
-    engine.run_reference(subjects, flops)
-    notes = [
-        f"{s.name} did not run in forward; not measured" for s in subjects if not s.record.calls
-    ]
-    ran = sorted((s for s in subjects if s.record.calls), key=lambda s: s.record.first_call)
-    return ran, notes
-
-
-def _serving(job: Job, s: Subject) -> list[Candidate]:
-    return [c for c in job.candidates if c.serves(s.module)]
-
-
-def _measured(engine: Engine, s: Subject, cand: Candidate, gpu: GPU | None) -> Measurement:
-    m = isolated(engine, s, cand)
+def _timed(found: Found, subjects: list[Subject], job: Job, gpu: GPU | None) -> Found:
+    """The modules' GEMMs and, with a GPU, each measurement's predicted time: the shapes of one
+    pass predict every candidate."""
+    for s in subjects:
+        found.gemms[s.name] = gemm_shapes(s.module, s.record.outputs, s.record.has_input_grad)
     if gpu is None:
-        return m
-    return replace(m, time=predict(gpu, s.shapes, operands(cand, engine.job.region)))
+        return found
+    high = operands(None, job.region, high_word(job.candidates, job.region))
+    found.kept_time = {s.name: predict(gpu, found.gemms[s.name], high) for s in subjects}
+    for name, measured in found.alone.items():
+        cands = [Candidate.of(m.candidate) for m in measured]
+        found.alone[name] = [
+            replace(m, time=predict(gpu, found.gemms[name], operands(c, job.region)))
+            for m, c in zip(measured, cands, strict=True)
+        ]
+    return found
 
 
-def _kept_time(engine: Engine, s: Subject, gpu: GPU | None) -> Time | None:
-    if gpu is None:
-        return None
-    job = engine.job
-    word = high_word(job.candidates, job.region)
-    return predict(gpu, s.shapes, operands(None, job.region, word))
-
-
-def _cheapest(
-    engine: Engine, found: dict[str, list[Measurement]], region_sqnr: float, names: list[str]
-) -> Cheapest:
-    """Every module in its cheapest finite candidate (kept where none is finite), predicted
-    and measured: how far the additive model is off on this model."""
-    job = engine.job
+def _first_policies(job: Job, found: Found, names: list[str]) -> tuple[Policy, Policy]:
+    """The region with every measured module in float32, and every module in its cheapest
+    finite candidate (kept where none is finite): how far the additive model is off."""
     high = high_word(job.candidates, job.region)
-    words, noise = {}, db_to_ratio(region_sqnr)
+    words = {}
     for name in names:
-        first = next((m for m in found[name] if m.finite), None)
+        first = next((m for m in found.alone[name] if m.finite), None)
         words[name] = high if first is None else first.candidate
+    region_word = format_dtype(job.region)
+    islands = build_policy(job.model, dict.fromkeys(names, "fp32"), region_word, names)
+    return islands, build_policy(job.model, words, region_word, names)
+
+
+def _region_and_cheapest(engine: Engine, found: Found, names: list[str]) -> tuple[float, Cheapest]:
+    """The region's own SQNR (every measured module in float32), and the cheapest policy,
+    predicted and measured."""
+    islands, cheapest = _first_policies(engine.job, found, names)
+    region_sqnr = with_policy(engine, "region, measured modules in fp32", islands)
+    measured = with_policy(engine, "every module in its cheapest candidate", cheapest)
+    return region_sqnr, Cheapest(cheapest, _cheapest_db(found, region_sqnr, names), measured)
+
+
+def _cheapest_db(found: Found, region_sqnr: float, names: list[str]) -> float:
+    noise = db_to_ratio(region_sqnr)
+    for name in names:
+        first = next((m for m in found.alone[name] if m.finite), None)
         noise += 0.0 if first is None else db_to_ratio(first.model_grad_sqnr)
-    policy = build_policy(job.model, words, format_dtype(job.region), names)
-    label = "every module in its cheapest candidate"
-    return Cheapest(policy, ratio_to_db(noise), with_policy(engine, label, policy))
+    return ratio_to_db(noise)
 
 
 def _choose(
-    engine: Engine,
-    subjects: list[Subject],
-    found: dict[str, list[Measurement]],
-    ranges: dict[str, Fp16Range | None],
-    region_sqnr: float,
-    goal: Goal,
-) -> tuple[Proposal, dict[str, Measurement]]:
+    engine: Engine, subjects: list[Subject], found: Found, region_sqnr: float, goal: Goal
+) -> Proposal:
     """The search; when kept modules run in the region's 16-bit dtype (around fp8), each kept
     module is measured in it too and the search is redone with those figures."""
     job = engine.job
     high = high_word(job.candidates, job.region)
     kept_cand = None if high == "fp32" else Candidate(high, job.region)
-    kept: dict[str, Measurement] = {}
-    times = {s.name: _kept_time(engine, s, goal.gpu) for s in subjects}
     while True:
         choices = [
             module_choice(
                 s.name,
-                found[s.name],
-                (high, kept.get(s.name), times[s.name]),
+                found.alone[s.name],
+                (high, found.kept.get(s.name), found.kept_time.get(s.name)),
                 goal.gpu,
-                fp16=ranges[s.name],
+                fp16=found.ranges[s.name],
             )
             for s in subjects
         ]
         proposal = search(choices, db_to_ratio(region_sqnr), goal.target)
-        missing = [
-            s
-            for s, c in zip(subjects, proposal.choices, strict=True)
-            if c.kept and s.name not in kept
-        ]
+        pairs = zip(subjects, proposal.choices, strict=True)
+        missing = [s for s, c in pairs if c.kept and s.name not in found.kept]
         if kept_cand is None or not missing:
-            return proposal, kept
+            return proposal
         engine.expect(len(missing))
-        kept.update({s.name: isolated(engine, s, kept_cand) for s in missing})
+        found.kept.update({s.name: isolated(engine, s, kept_cand) for s in missing})
 
 
 def _check_pass(engine: Engine, goal: Goal, policy: Policy, cheapest: Cheapest) -> float | None:
@@ -328,67 +343,57 @@ def _check_pass(engine: Engine, goal: Goal, policy: Policy, cheapest: Cheapest) 
     return with_policy(engine, "check: proposal applied", policy)
 
 
-def _row(
-    engine: Engine,
-    s: Subject,
-    figures: tuple[
-        dict[str, list[Measurement]], dict[str, Fp16Range | None], dict[str, Measurement]
-    ],
-    proposal: Proposal,
-    gpu: GPU | None,
-) -> ModuleAdvice:
-    found, ranges, kept = figures
+def _row(job: Job, s: Subject, found: Found, proposal: Proposal) -> ModuleAdvice:
     choice = next((c for c in proposal.choices if c.name == s.name), None)
-    region_word = format_dtype(engine.job.region)
     return ModuleAdvice(
         name=s.name,
         kind=type(s.module).__name__,
         params=sum(p.numel() for p in s.module.parameters()),
         calls=s.record.calls,
-        measurements=tuple(found.get(s.name, ())),
-        fp16=ranges.get(s.name),
-        choice=region_word if choice is None else choice.current.word,
-        reason=_no_rule_reason(engine, s, found) if choice is None else choice.reason,
-        kept_measurement=kept.get(s.name),
+        measurements=tuple(found.alone.get(s.name, ())),
+        fp16=found.ranges.get(s.name),
+        choice=format_dtype(job.region) if choice is None else choice.current.word,
+        reason=_no_rule_reason(s) if choice is None else choice.reason,
+        kept_measurement=found.kept.get(s.name),
         served=choice is not None,
-        kept_time=_kept_time(engine, s, gpu),
+        kept_time=found.kept_time.get(s.name),
     )
 
 
-def _no_rule_reason(engine: Engine, s: Subject, found: dict[str, list[Measurement]]) -> str:
-    if s.name in found:  # measured, exact in every candidate
+def _no_rule_reason(s: Subject) -> str:
+    if s.serving:  # measured, exact in every candidate
         return (
             "no error in any candidate (no matmul: autocast runs its ops in float32): no rule, "
             "runs as the region runs it"
         )
-    why = unserved_reason(engine.job.candidates, s.module)
     kind = type(s.module).__name__
-    return f"no candidate serves {kind} ({why}): no rule, runs as the region runs it"
+    return f"no candidate serves {kind} ({s.why_not}): no rule, runs as the region runs it"
 
 
 def _unserved_note(rows: list[ModuleAdvice]) -> list[str]:
-    if not rows:
+    unserved = [r for r in rows if not r.served]
+    if not unserved:
         return []
     kinds: dict[str, int] = {}
-    for r in rows:
+    for r in unserved:
         kinds[r.kind] = kinds.get(r.kind, 0) + 1
     listed = ", ".join(f"{n} x{k}" if k > 1 else n for n, k in kinds.items())
     return [
-        f"{len(rows)} measured modules get no rule ({listed}; the table says why): they run "
-        "as the region runs them and are not counted as kept"
+        f"{len(unserved)} measured modules get no rule ({listed}; the table says why): they "
+        "run as the region runs them and are not counted as kept"
     ]
 
 
 def _step(
-    gpu: GPU | None, subjects: list[Subject], rows: list[ModuleAdvice], flops: FlopCount | None
+    gpu: GPU | None, found: Found, rows: list[ModuleAdvice], flops: FlopCount | None
 ) -> StepTime | None:
     """The step's matmuls: the baseline has every measured module in 16-bit."""
     if gpu is None or flops is None:
         return None
     bf16 = Operands.uniform(BF16)
     timed = []
-    for s, r in zip(subjects, rows, strict=True):
-        base = predict(gpu, s.shapes, bf16)
-        timed.append((s.name, base, r.time if r.served else base))
-    mine = sum(counted_flops(s.shapes) for s in subjects)
+    for r in rows:
+        base = predict(gpu, found.gemms[r.name], bf16)
+        timed.append((r.name, base, r.time if r.served else base))
+    mine = sum(counted_flops(g) for g in found.gemms.values())
     return step_time(gpu, timed, max(0.0, flops.total - mine))

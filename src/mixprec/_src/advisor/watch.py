@@ -33,8 +33,13 @@ from typing import Any
 import torch
 from torch import nn
 
-from mixprec._src.advisor.arguments import check_model, device_of
-from mixprec._src.advisor.candidates import Candidate, parse_candidates, region_dtype
+from mixprec._src.advisor.arguments import (
+    Candidate,
+    check_model,
+    device_of,
+    parse_candidates,
+    region_dtype,
+)
 from mixprec._src.advisor.choose.options import module_choice
 from mixprec._src.advisor.choose.policy import build_policy
 from mixprec._src.advisor.choose.search import Target, search

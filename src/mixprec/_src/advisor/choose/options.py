@@ -11,7 +11,7 @@ from __future__ import annotations
 import math
 from collections.abc import Callable, Sequence
 
-from mixprec._src.advisor.candidates import Candidate
+from mixprec._src.advisor.arguments import Candidate
 from mixprec._src.advisor.choose.search import Choice, Option
 from mixprec._src.advisor.measure.metrics import db_to_ratio
 from mixprec._src.advisor.report.advice import Fp16Range, Measurement

@@ -7,10 +7,17 @@ every pass starts from the same state and sees the same random numbers. Every pa
 disabled region without a policy, so that the reference is float32 (and a module's isolated
 pass runs only its own region) also where ``advise`` or ``Watch.step`` is called inside an
 autocast region; the caller's region is back in force when the pass ends.
+
+A tap (a pair of forward hooks on one module) sees every call of its module: the floating
+outputs, the gradient of the module's floating inputs (each input is replaced by an alias,
+``t.view_as(t)``, so that the gradient recorded is the one flowing through this module only, not
+through a residual branch that shares the tensor), and, in the reference pass, the gradient of
+the outputs.
 """
 
 from __future__ import annotations
 
+import itertools
 import math
 import threading
 from collections.abc import Callable, Iterator, Sequence
@@ -20,16 +27,17 @@ from typing import Any
 
 import torch
 from torch import nn
+from torch.utils._pytree import tree_flatten, tree_map
 
-from mixprec._src.advisor.arguments import LOSS_FORM
-from mixprec._src.advisor.candidates import Candidate
+from mixprec._src.advisor.arguments import LOSS_FORM, Candidate
 from mixprec._src.advisor.measure.guard import Guard
 from mixprec._src.advisor.measure.metrics import FP16_MAX, Fp16Range, Power, fp16_range
-from mixprec._src.advisor.measure.taps import Record, Tap, around, attached
 from mixprec._src.advisor.report.advice import Measurement
-from mixprec._src.advisor.speed.shapes import FlopCount, Gemms, counting, gemm_shapes
+from mixprec._src.advisor.speed.model import FlopCount, counting
 from mixprec._src.autocast.policy import Policy
 from mixprec._src.autocast.region import autocast
+from mixprec._src.fp8 import hook as fp8_hook
+from mixprec._src.fp8.recipes import get_recipe
 from mixprec._src.fp8.stats import Fp8Stats
 from mixprec.errors import ConfigError
 
@@ -41,6 +49,180 @@ SCALE_RANGE = (2.0**-24, 2.0**24)
 Progress = Callable[[int, int, str], None]
 
 
+_SEQUENCE = itertools.count()
+
+
+def _floating(t: object) -> bool:
+    return isinstance(t, torch.Tensor) and t.is_floating_point()
+
+
+class Record:
+    """What the reference pass saw of one module, call by call (float32 copies)."""
+
+    def __init__(self) -> None:
+        self.input_grads: list[list[torch.Tensor | None]] = []
+        self.outputs: list[list[torch.Tensor]] = []
+        self.output_grads: list[list[torch.Tensor | None]] = []
+        self.first_call = -1  # when it first ran, relative to other records (execution order)
+
+    @property
+    def calls(self) -> int:
+        return len(self.outputs)
+
+    @property
+    def has_input_grad(self) -> bool:
+        """Whether an input of the module needed a gradient (it ran an input-gradient GEMM)."""
+        return any(any(g is not None for g in call) for call in self.input_grads)
+
+
+class Comparison:
+    """Errors of one module's tensors against its :class:`Record`, summed over its calls."""
+
+    def __init__(self) -> None:
+        self.output = Power()
+        self.input_grad = Power()
+
+
+class Tap:
+    """Hooks on one module: record into ``record`` or, when ``against`` is given, compare.
+
+    ``scale`` is the loss scale of the pass (gradients are divided by it before comparing).
+    """
+
+    def __init__(
+        self,
+        module: nn.Module,
+        against: Record | None = None,
+        scale: float = 1.0,
+    ) -> None:
+        self.module = module
+        self.against = against
+        self.scale = scale
+        self.record = Record()
+        self.comparison = Comparison()
+        self._call = 0
+        self._handles: list[Any] = []
+
+    def attach(self) -> None:
+        self._handles = [
+            self.module.register_forward_pre_hook(self._pre, with_kwargs=True),
+            self.module.register_forward_hook(self._post),
+        ]
+
+    def detach(self) -> None:
+        for handle in self._handles:
+            handle.remove()
+        self._handles = []
+
+    def _pre(self, module: nn.Module, args: Any, kwargs: Any) -> Any:
+        call = self._call
+        slots: list[torch.Tensor | None] = []
+        if self.against is None:
+            self.record.input_grads.append(slots)
+
+        def alias(t: Any) -> Any:
+            if not (_floating(t) and t.requires_grad):
+                return t
+            index = len(slots)
+            slots.append(None)
+            view = t.view_as(t)
+            view.register_hook(self._input_grad_hook(call, index, slots))
+            return view
+
+        return tree_map(alias, (args, kwargs))
+
+    def _input_grad_hook(
+        self, call: int, index: int, slots: list[torch.Tensor | None]
+    ) -> Callable[[torch.Tensor], None]:
+        def hook(grad: torch.Tensor) -> None:
+            g = grad.detach().float() / self.scale
+            if self.against is None:
+                _accumulate(slots, index, g)
+            elif call < self.against.calls and index < len(self.against.input_grads[call]):
+                self.comparison.input_grad.add(g, self.against.input_grads[call][index])
+
+        return hook
+
+    def _post(self, module: nn.Module, args: Any, output: Any) -> None:
+        call = self._call
+        self._call += 1
+        outs = [t for t in tree_flatten(output)[0] if _floating(t)]
+        if self.against is not None:
+            if call < self.against.calls:
+                self.comparison.output.add_all(
+                    [o.detach().float() for o in outs], self.against.outputs[call]
+                )
+            return
+        if call == 0:
+            self.record.first_call = next(_SEQUENCE)
+        self.record.outputs.append([o.detach().float().clone() for o in outs])
+        grads: list[torch.Tensor | None] = [None] * len(outs)
+        self.record.output_grads.append(grads)
+        for i, o in enumerate(outs):
+            if o.requires_grad:
+                o.register_hook(_store_into(grads, i))
+
+
+def _store_into(slots: list[torch.Tensor | None], index: int) -> Callable[[torch.Tensor], None]:
+    def hook(grad: torch.Tensor) -> None:
+        _accumulate(slots, index, grad.detach().float())
+
+    return hook
+
+
+def _to_float32(t: Any) -> Any:
+    if isinstance(t, torch.Tensor) and t.dtype in (torch.float16, torch.bfloat16):
+        return t.float()
+    return t
+
+
+def _accumulate(slots: list[torch.Tensor | None], index: int, grad: torch.Tensor) -> None:
+    old = slots[index]
+    slots[index] = grad.clone() if old is None else old + grad
+
+
+@contextmanager
+def attached(taps: list[Tap]) -> Iterator[None]:
+    """Attach every tap for the duration of a pass."""
+    try:
+        for tap in taps:
+            tap.attach()
+        yield
+    finally:
+        for tap in taps:
+            tap.detach()
+
+
+@contextmanager
+def around(module: nn.Module, make: Callable[[], AbstractContextManager[Any]]) -> Iterator[None]:
+    """Run ``module``'s forward inside a fresh context from ``make()`` (entered by a pre-hook,
+    left by an always-called post-hook); its 16-bit outputs are cast to float32, the dtype the
+    rest of the model runs in during an isolated pass (the values are unchanged)."""
+    stack: list[AbstractContextManager[Any]] = []
+
+    def pre(mod: nn.Module, args: Any) -> None:
+        ctx = make()
+        ctx.__enter__()
+        stack.append(ctx)
+
+    def post(mod: nn.Module, args: Any, output: Any) -> Any:
+        if stack:
+            stack.pop().__exit__(None, None, None)
+        return tree_map(_to_float32, output)
+
+    handles = [
+        module.register_forward_pre_hook(pre, prepend=True),
+        module.register_forward_hook(post, always_call=True),
+    ]
+    try:
+        yield
+    finally:
+        for handle in handles:
+            handle.remove()
+        while stack:
+            stack.pop().__exit__(None, None, None)
+
+
 @dataclass
 class Subject:
     """One measured module and what the reference pass recorded of it: its tensors and its
@@ -49,8 +231,9 @@ class Subject:
     name: str
     module: nn.Module
     param_index: list[int]
+    serving: tuple[Candidate, ...] = ()
+    why_not: str = ""
     record: Record = field(default_factory=Record)
-    shapes: Gemms | None = None
 
 
 @dataclass
@@ -150,7 +333,6 @@ class Engine:
         grads = self.run("float32 reference", taps, outer=counting(flops))
         for subject, tap in zip(subjects, taps, strict=True):
             subject.record = tap.record
-            subject.shapes = gemm_shapes(subject.module, tap.record)
         bad = [
             name
             for (name, p), g in zip(self.job.model.named_parameters(), grads, strict=True)
@@ -250,7 +432,7 @@ def isolated(engine: Engine, subject: Subject, cand: Candidate) -> Measurement:
     """Run ``subject`` alone in ``cand`` (the rest in float32) and compare with the reference."""
     tap = Tap(subject.module, against=subject.record, scale=engine.scale)
     stats = Fp8Stats() if cand.recipe is not None else None
-    make = cand.isolated(subject.module, subject.name, engine.device_type, engine.job.region, stats)
+    make = _alone_in(cand, subject, engine, stats)
     grads = engine.run(f"{subject.name} in {cand.word}", [tap], isolate=(subject.module, make))
     has_input_grads = subject.record.has_input_grad
     weight = engine.subset_power(grads, subject.param_index) if subject.param_index else None
@@ -264,6 +446,33 @@ def isolated(engine: Engine, subject: Subject, cand: Candidate) -> Measurement:
     )
 
 
+def _alone_in(
+    cand: Candidate, subject: Subject, engine: Engine, stats: Fp8Stats | None
+) -> Callable[[], AbstractContextManager[Any]]:
+    """A factory of the region ``subject`` runs in while the rest stays in float32. An fp8
+    candidate runs the module's matmuls in fp8 with the region's dtype around them (as the
+    policy will) and records the module's casts into ``stats`` under its name."""
+    dtype, recipe, region = cand.dtype, cand.recipe, engine.job.region
+    if recipe is not None:
+        assert stats is not None
+        return lambda: _fp8_module(subject.module, subject.name, recipe, region, stats)
+    assert dtype is not None
+    device_type = engine.device_type
+    return lambda: autocast(device_type, dtype=dtype)
+
+
+@contextmanager
+def _fp8_module(
+    module: nn.Module, name: str, recipe: str, hp: torch.dtype, stats: Fp8Stats
+) -> Iterator[None]:
+    with stats:
+        token = fp8_hook.enter_module(module, name, get_recipe(recipe), hp)
+        try:
+            yield
+        finally:
+            fp8_hook.exit_module(token)
+
+
 def with_policy(engine: Engine, label: str, policy: Policy | None) -> float:
     """Whole-model gradient SQNR with the model in the region under ``policy``."""
     device_type, dtype = engine.device_type, engine.job.region
@@ -274,13 +483,18 @@ def with_policy(engine: Engine, label: str, policy: Policy | None) -> float:
     return engine.model_power(engine.run(label, region=region)).sqnr
 
 
-def fp16_ranges(engine: Engine, subjects: Sequence[Subject]) -> dict[str, Fp16Range | None]:
-    """With float16 in play: the proposed loss scale (every later pass uses it) and each
-    subject's range figures; else no figures and no scale."""
-    if not uses_fp16(engine.job):
-        return dict.fromkeys((t.name for t in subjects), None)
-    engine.scale = propose_scale(subjects, engine.reference)
-    return {t.name: _range(t, engine) for t in subjects}
+def measure_alone(
+    engine: Engine, subjects: Sequence[Subject]
+) -> tuple[dict[str, Fp16Range | None], dict[str, list[Measurement]]]:
+    """Each subject alone in each candidate that serves it; with float16 in play, first the
+    proposed loss scale (every later pass uses it), and each subject's float16 range figures
+    (else none)."""
+    fp16 = uses_fp16(engine.job)
+    if fp16:
+        engine.scale = propose_scale(subjects, engine.reference)
+    alone = {s.name: [isolated(engine, s, c) for c in s.serving] for s in subjects}
+    ranges = {s.name: _range(s, engine) if fp16 else None for s in subjects}
+    return ranges, alone
 
 
 def _range(t: Subject, engine: Engine) -> Fp16Range:

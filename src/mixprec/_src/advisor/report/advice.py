@@ -10,7 +10,7 @@ from typing import Any
 
 import torch
 
-from mixprec._src.advisor.speed.model import Time
+from mixprec._src.advisor.speed.model import StepTime, Time
 from mixprec._src.autocast.policy import Policy
 from mixprec._src.autocast.rules import format_dtype
 from mixprec._src.fp8.stats import Fp8ModuleStats
@@ -155,36 +155,6 @@ class Cheapest:
         if math.isinf(self.measured) and self.measured == self.predicted:
             return 0.0
         return self.measured - self.predicted
-
-
-@dataclass(frozen=True)
-class StepTime:
-    """The predicted time of a training step's matmuls on a GPU.
-
-    Attributes:
-        gpu: the GPU's name.
-        baseline: seconds with every measured module in the region's 16-bit dtype (bf16).
-        proposal: seconds with the proposal.
-        gemms: of ``proposal``, the measured modules' GEMMs.
-        casts: of ``proposal``, their casts (fp8 operands, the inputs of fp32 islands).
-        other: the step's other matmuls (attention, functional matmuls) in 16-bit, in both;
-            elementwise ops, norms, the optimizer and communication are not modelled.
-        left_out: the measured modules without a predicted time (no GEMM the model knows),
-            in neither sum.
-    """
-
-    gpu: str
-    baseline: float
-    proposal: float
-    gemms: float
-    casts: float
-    other: float
-    left_out: tuple[str, ...] = ()
-
-    @property
-    def speedup(self) -> float:
-        """``baseline / proposal``. Host sync: none."""
-        return self.baseline / self.proposal if self.proposal > 0 else 1.0
 
 
 @dataclass(frozen=True)

@@ -15,7 +15,7 @@ from __future__ import annotations
 
 import torch
 
-from mixprec._src.advisor.candidates import Candidate
+from mixprec._src.advisor.arguments import Candidate
 from mixprec._src.advisor.speed.gpus import GPU
 from mixprec._src.advisor.speed.model import BF16, FP32, ROW, Format, Operands, runs
 from mixprec._src.fp8.recipes import RECIPES, Cast
