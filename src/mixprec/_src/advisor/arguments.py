@@ -15,6 +15,7 @@ statistics.
 
 from __future__ import annotations
 
+import difflib
 import fnmatch
 import inspect
 import math
@@ -348,15 +349,21 @@ def select(model: nn.Module, spec: Sequence[object] | None) -> list[tuple[str, n
     for entry in spec:
         matches = _matches(named, entry)
         if not matches:
-            shown = ", ".join(repr(n) for n, _ in named[:30])
-            more = f" and {len(named) - 30} more" if len(named) > 30 else ""
-            raise ConfigError(
-                f"modules entry {entry!r} matches no submodule of the model; names: {shown}{more}"
-            )
+            raise _no_match(entry, [n for n, _ in named])
         picked.update(matches)
     chosen = [(n, m) for n, m in named if n in picked]
     _check_disjoint([n for n, _ in chosen])
     return chosen
+
+
+def _no_match(entry: object, names: list[str]) -> ConfigError:
+    close = difflib.get_close_matches(str(entry), names, n=3, cutoff=0.6)
+    hint = f" Did you mean {' or '.join(map(repr, close))}?" if close else ""
+    shown = ", ".join(repr(n) for n in names[:30])
+    more = f" and {len(names) - 30} more" if len(names) > 30 else ""
+    return ConfigError(
+        f"modules entry {entry!r} matches no submodule of the model.{hint} Names: {shown}{more}"
+    )
 
 
 def _defaults(named: list[tuple[str, nn.Module]]) -> list[tuple[str, nn.Module]]:

@@ -325,12 +325,12 @@ def _notes(
         region_db = ratio_to_db(region_ratio)
         if region_db < min_sqnr:
             notes.append(
-                f"the target {min_sqnr:g} dB is out of reach: the ops outside the measured "
+                f"the target {_db(min_sqnr)} is out of reach: the ops outside the measured "
                 f"modules alone give {_db(region_db)} (module rules cannot change them)"
             )
         else:
             within = f" within keep_at_most={int(limit)}" if math.isfinite(limit) else ""
             notes.append(
-                f"the target {min_sqnr:g} dB is not met{within}: predicted {_db(predicted)}"
+                f"the target {_db(min_sqnr)} is not met{within}: predicted {_db(predicted)}"
             )
     return notes
