@@ -8,6 +8,7 @@ a module replaced since the advice."""
 from __future__ import annotations
 
 import itertools
+import math
 import warnings
 from typing import Any
 
@@ -214,13 +215,17 @@ def test_compiled_models_are_refused_before_any_pass() -> None:
 )
 def test_with_nothing_lost_the_watch_reproposes_the_advice(objective: str, gpu: str | None) -> None:
     """The watch's search is the advice's: on the advice's own figures it finds its policy."""
-    for words, target in ((["nvfp4", "mxfp8", "bf16"], 20.0), (["fp8", "bf16"], None)):
+    for words, target, keep in (
+        (["nvfp4", "mxfp8", "bf16"], 20.0, None),
+        (["fp8", "bf16"], None, 1),
+    ):
         advice = mixprec.advise(
             _net(64),
             _batch(64),
             mse,
             candidates=words,
             min_sqnr=target,
+            keep_at_most=keep,
             gpu=gpu,
             objective=objective,
         )
@@ -294,3 +299,40 @@ def test_a_module_name_typo_gets_a_did_you_mean(typo: str, meant: str) -> None:
         assert "Did you mean" not in str(err.value)
     else:
         assert f"Did you mean {meant!r}" in str(err.value)
+
+
+# --- the fastest policy without a target: measured once ------------------------------------
+
+
+@pytest.mark.parametrize(
+    ("words", "gpu"),
+    [(None, "b200"), (["fp8", "bf16"], "h100"), (["nvfp4", "mxfp8", "bf16"], "b200")],
+)
+def test_the_fastest_policy_without_a_target_is_the_searchs_measured_once(
+    words: list[str] | None, gpu: str
+) -> None:
+    """Differential: the policy predicted from the shapes and measured in one pass is the one
+    the full search (every module measured alone, a target every option meets) proposes."""
+    once = mixprec.advise(_net(64), _batch(64), mse, candidates=words, gpu=gpu, objective="speed")
+    full = mixprec.advise(
+        _net(64), _batch(64), mse, candidates=words, gpu=gpu, objective="speed", min_sqnr=-100.0
+    )
+    assert once.passes == 2 and full.passes > 2
+    assert once.policy == full.policy
+    assert once.measured_sqnr is not None and math.isfinite(once.measured_sqnr)
+    assert once.step == full.step
+    assert all(math.isnan(x.model_grad_sqnr) for m in once.modules for x in m.measurements)
+    with pytest.raises(ConfigError, match="no per-module figures to watch"):
+        mixprec.Watch(_net(64), mse, once)
+
+
+def test_a_fastest_policy_that_overflows_falls_back_to_measuring_each_module() -> None:
+    from tests.advisor_models import loud_task
+
+    model, batch, loss_fn = loud_task()
+    advice = mixprec.advise(
+        model, batch, loss_fn, candidates=["fp16"], gpu="h100", objective="speed"
+    )
+    assert advice.passes > 2
+    assert not any(math.isnan(x.model_grad_sqnr) for m in advice.modules for x in m.measurements)
+    assert advice.kept  # the loud layer: fp16 gives inf/NaN

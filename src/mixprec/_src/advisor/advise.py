@@ -41,6 +41,7 @@ from mixprec._src.advisor.measure.passes import (
     Subject,
     isolated,
     measure_alone,
+    propose_scale,
     uses_fp16,
     with_policy,
 )
@@ -161,7 +162,7 @@ def advise(
     job = Job(model, [batch, *more_batches], loss_fn, device, cands, region_dtype(cands), progress)
     goal = Goal(Target(min_sqnr, keep_at_most, objective), spec, check)
     with Guard(model, device) as guard:
-        engine = Engine(job, guard, planned=_planned(chosen, check))
+        engine = Engine(job, guard, planned=_planned(chosen, goal))
         return _advise(engine, _subjects(chosen, guard.params), goal)
 
 
@@ -185,6 +186,7 @@ class Found:
     kept: dict[str, Measurement]
     gemms: dict[str, Gemms | None] = field(default_factory=dict)
     kept_time: dict[str, Time | None] = field(default_factory=dict)
+    flops: FlopCount | None = None
 
 
 def _subjects(chosen: list[Chosen], params: list[nn.Parameter]) -> list[Subject]:
@@ -205,21 +207,28 @@ def _index(module: nn.Module, position: dict[int, int]) -> list[int]:
     return sorted({position[id(p)] for p in module.parameters()})
 
 
-def _planned(chosen: list[Chosen], check: bool) -> int:
+def _planned(chosen: list[Chosen], goal: Goal) -> int:
     """The reference, the isolated passes, the region, the cheapest policy and the check (the
-    engine is told of kept modules measured around fp8, and of a check it need not run)."""
-    return 1 + sum(len(c.serving) for c in chosen) + 2 + int(check)
+    engine is told of kept modules measured around fp8, and of a check it need not run); for
+    the fastest policy without a target, the reference and that policy."""
+    if _once(goal):
+        return 2
+    return 1 + sum(len(c.serving) for c in chosen) + 2 + int(goal.check)
 
 
 def _advise(engine: Engine, subjects: list[Subject], goal: Goal) -> Advice:
     """Measure, search and report (the model is guarded by the caller)."""
     job = engine.job
     flops = FlopCount() if goal.gpu is not None else None
-    engine.run_reference(subjects, flops)
+    engine.run_reference(subjects, flops, shapes_only=_once(goal))
     ran = sorted((s for s in subjects if s.record.calls), key=lambda s: s.record.first_call)
     served = [s for s in ran if s.serving]
+    if _once(goal):
+        once = _fastest_once(engine, ran, goal, flops)
+        if once is not None:
+            return once
     ranges, alone = measure_alone(engine, served)
-    found = _timed(Found(ranges, alone, {}), ran, job, goal.gpu)
+    found = _timed(Found(ranges, alone, {}, flops=flops), ran, job, goal.gpu)
     touched = [s for s in served if found.gemms[s.name] is not None or not _exact(alone[s.name])]
     names = [s.name for s in touched]
     region_sqnr, cheap = _region_and_cheapest(engine, found, names)
@@ -229,6 +238,22 @@ def _advise(engine: Engine, subjects: list[Subject], goal: Goal) -> Advice:
     policy = build_policy(job.model, picked, format_dtype(job.region), names)
     measured = _check_pass(engine, goal, policy, cheap)
     notes = [f"{s.name} did not run in forward; not measured" for s in subjects if s not in ran]
+    chosen = (policy, proposal, rows)
+    return _advice(engine, goal, found, chosen, (region_sqnr, measured, cheap), notes)
+
+
+def _advice(
+    engine: Engine,
+    goal: Goal,
+    found: Found,
+    chosen: tuple[Policy, Proposal, list[ModuleAdvice]],
+    figures: tuple[float, float | None, Cheapest | None],
+    notes: list[str],
+) -> Advice:
+    job = engine.job
+    policy, proposal, rows = chosen
+    region_sqnr, measured, cheap = figures
+    once = cheap is None and measured is not None
     return Advice(
         policy=policy,
         dtype=job.region,
@@ -240,7 +265,7 @@ def _advise(engine: Engine, subjects: list[Subject], goal: Goal) -> Advice:
         min_sqnr=goal.target.min_sqnr,
         keep_at_most=goal.target.keep_at_most,
         met=proposal.met,
-        predicted_sqnr=proposal.predicted,
+        predicted_sqnr=measured if once and measured is not None else proposal.predicted,
         region_sqnr=region_sqnr,
         measured_sqnr=measured,
         cheapest=cheap,
@@ -248,8 +273,49 @@ def _advise(engine: Engine, subjects: list[Subject], goal: Goal) -> Advice:
         notes=tuple(notes + _unserved_note(rows) + proposal.notes),
         gpu=None if goal.gpu is None else goal.gpu.word,
         objective=goal.target.objective,
-        step=_step(goal.gpu, found, rows, flops),
+        step=_step(goal.gpu, found, rows),
     )
+
+
+def _once(goal: Goal) -> bool:
+    """``objective="speed"`` without a target: the fastest options need no figure but being
+    finite, which one pass of their policy shows; the modules alone are measured only if not."""
+    target = goal.target
+    return target.objective == "speed" and target.min_sqnr is None and target.keep_at_most is None
+
+
+def _fastest_once(
+    engine: Engine, ran: list[Subject], goal: Goal, flops: FlopCount | None
+) -> Advice | None:
+    """The fastest policy predicted from the reference pass's shapes, measured once; None when
+    it gives inf/NaN (the caller then measures every module alone)."""
+    job, gpu = engine.job, goal.gpu
+    if uses_fp16(job):
+        engine.scale = propose_scale([], engine.reference)
+    served = [s for s in ran if s.serving]
+    unmeasured = {s.name: [_unmeasured(c) for c in s.serving] for s in served}
+    found = _timed(Found(dict.fromkeys(unmeasured), unmeasured, {}, flops=flops), ran, job, gpu)
+    touched = [s for s in served if found.gemms[s.name] is not None]
+    proposal = _choose(engine, touched, found, 0.0, goal)
+    names = [s.name for s in touched]
+    picked = {c.name: c.current.word for c in proposal.choices}
+    policy = build_policy(job.model, picked, format_dtype(job.region), names)
+    sqnr = with_policy(engine, "the fastest policy, measured once", policy)
+    if math.isnan(sqnr) or sqnr == -math.inf:
+        engine.expect(sum(len(s.serving) for s in served) + 2 + int(goal.check))
+        engine.run_reference(ran)  # the modules' own tensors, to measure each alone
+        return None
+    rows = [_row(job, s, found, proposal) for s in ran]
+    note = (
+        'objective="speed" without a target: the fastest policy on the GPU, predicted from '
+        "the reference pass's GEMM shapes and measured once; the modules alone were not "
+        "measured (pass min_sqnr or keep_at_most to measure each module in each candidate)"
+    )
+    return _advice(engine, goal, found, (policy, proposal, rows), (math.nan, sqnr, None), [note])
+
+
+def _unmeasured(cand: Candidate) -> Measurement:
+    return Measurement(cand.word, math.nan, math.nan, None, None)
 
 
 def _exact(found: list[Measurement]) -> bool:
@@ -309,10 +375,11 @@ def _choose(
     engine: Engine, subjects: list[Subject], found: Found, region_sqnr: float, goal: Goal
 ) -> Proposal:
     """The search; when kept modules run in the region's 16-bit dtype (around fp8), each kept
-    module is measured in it too and the search is redone with those figures."""
+    module is measured in it too and the search is redone with those figures (not for the
+    fastest policy without a target, which needs no figure)."""
     job = engine.job
     high = high_word(job.candidates, job.region)
-    kept_cand = None if high == "fp32" else Candidate(high, job.region)
+    kept_cand = None if high == "fp32" or _once(goal) else Candidate(high, job.region)
     while True:
         choices = [
             module_choice(
@@ -384,10 +451,9 @@ def _unserved_note(rows: list[ModuleAdvice]) -> list[str]:
     ]
 
 
-def _step(
-    gpu: GPU | None, found: Found, rows: list[ModuleAdvice], flops: FlopCount | None
-) -> StepTime | None:
+def _step(gpu: GPU | None, found: Found, rows: list[ModuleAdvice]) -> StepTime | None:
     """The step's matmuls: the baseline has every measured module in 16-bit."""
+    flops = found.flops
     if gpu is None or flops is None:
         return None
     bf16 = Operands.uniform(BF16)

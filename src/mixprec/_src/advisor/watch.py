@@ -426,6 +426,11 @@ def _check(
             raise ConfigError(f"{name} must be a number >= 0, got {value!r}")
     if hook is not None and not callable(hook):
         raise ConfigError(f"hook must be None or a function of a WatchReport, got {hook!r}")
+    if any(math.isnan(x.model_grad_sqnr) for m in advice.modules for x in m.measurements):
+        raise ConfigError(
+            "the advice has no per-module figures to watch (objective='speed' without a "
+            "target measures the fastest policy once): advise with min_sqnr or keep_at_most"
+        )
     assert isinstance(model, nn.Module)  # check_model raised otherwise
     named = dict(model.named_modules())
     missing = [m.name for m in advice.modules if m.name not in named]

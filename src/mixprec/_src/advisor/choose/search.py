@@ -304,6 +304,8 @@ def _us(seconds: float) -> str:
 
 
 def _db(db: float) -> str:
+    if math.isnan(db):
+        return "not measured"
     return "no error" if db == math.inf else ("inf/NaN" if db == -math.inf else f"{db:.1f} dB")
 
 

@@ -86,7 +86,8 @@ class Comparison:
 class Tap:
     """Hooks on one module: record into ``record`` or, when ``against`` is given, compare.
 
-    ``scale`` is the loss scale of the pass (gradients are divided by it before comparing).
+    ``scale`` is the loss scale of the pass (gradients are divided by it before comparing);
+    ``shapes_only``: record the tensors' shapes (as meta tensors), not their values.
     """
 
     def __init__(
@@ -94,10 +95,12 @@ class Tap:
         module: nn.Module,
         against: Record | None = None,
         scale: float = 1.0,
+        shapes_only: bool = False,
     ) -> None:
         self.module = module
         self.against = against
         self.scale = scale
+        self.shapes_only = shapes_only
         self.record = Record()
         self.comparison = Comparison()
         self._call = 0
@@ -135,6 +138,9 @@ class Tap:
         self, call: int, index: int, slots: list[torch.Tensor | None]
     ) -> Callable[[torch.Tensor], None]:
         def hook(grad: torch.Tensor) -> None:
+            if self.shapes_only:
+                slots[index] = grad.detach().to("meta")
+                return
             g = grad.detach().float() / self.scale
             if self.against is None:
                 _accumulate(slots, index, g)
@@ -155,6 +161,9 @@ class Tap:
             return
         if call == 0:
             self.record.first_call = next(_SEQUENCE)
+        if self.shapes_only:
+            self.record.outputs.append([o.detach().to("meta") for o in outs])
+            return
         self.record.outputs.append([o.detach().float().clone() for o in outs])
         grads: list[torch.Tensor | None] = [None] * len(outs)
         self.record.output_grads.append(grads)
@@ -326,10 +335,12 @@ class Engine:
         finally:
             handle.remove()
 
-    def run_reference(self, subjects: Sequence[Subject], flops: FlopCount | None = None) -> None:
-        """The float32 pass: records every subject (and counts the matmul FLOP into ``flops``);
-        raises if it is not finite."""
-        taps = [Tap(t.module) for t in subjects]
+    def run_reference(
+        self, subjects: Sequence[Subject], flops: FlopCount | None = None, shapes_only: bool = False
+    ) -> None:
+        """The float32 pass: records every subject (only its shapes with ``shapes_only``), and
+        counts the matmul FLOP into ``flops``; raises if it is not finite."""
+        taps = [Tap(t.module, shapes_only=shapes_only) for t in subjects]
         grads = self.run("float32 reference", taps, outer=counting(flops))
         for subject, tap in zip(subjects, taps, strict=True):
             subject.record = tap.record

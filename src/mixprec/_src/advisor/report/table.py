@@ -17,8 +17,9 @@ _OPERANDS = (("in", "input"), ("w", "weight"), ("go", "grad_output"))
 
 
 def fmt_db(value: float | None) -> str:
-    """An SQNR for a table cell: one decimal, ``inf``, ``-inf`` (inf/NaN) or ``-``."""
-    if value is None:
+    """An SQNR for a table cell: one decimal, ``inf``, ``-inf`` (inf/NaN) or ``-`` (none, or
+    not measured)."""
+    if value is None or math.isnan(value):
         return "-"
     if math.isinf(value):
         return "inf" if value > 0 else "-inf"
@@ -233,6 +234,8 @@ def between(region_sqnr: float) -> str:
     """
     if math.isinf(region_sqnr) and region_sqnr > 0:
         return "the ops between the measured modules add no measurable error"
+    if math.isnan(region_sqnr):
+        return "the ops between the measured modules: not measured"
     return f"the ops between the measured modules, every module in fp32: {fmt_db(region_sqnr)} dB"
 
 
