@@ -336,3 +336,72 @@ def test_a_fastest_policy_that_overflows_falls_back_to_measuring_each_module() -
     assert advice.passes > 2
     assert not any(math.isnan(x.model_grad_sqnr) for m in advice.modules for x in m.measurements)
     assert advice.kept  # the loud layer: fp16 gives inf/NaN
+
+
+# --- statistics count the user's tensor ------------------------------------------------------
+
+
+@settings(max_examples=40, deadline=None)
+@given(
+    recipe=st.sampled_from(sorted(RECIPES)),
+    tokens=st.sampled_from([1, 3, 17, 40]),
+    inf_at=st.one_of(st.none(), st.integers(0, 10_000)),
+    weight_scale=st.sampled_from([1.0, 3.0, 1e-3, 2.0**20, 0.7]),
+)
+def test_fp8_statistics_cover_the_users_elements_only(
+    recipe: str, tokens: int, inf_at: int | None, weight_scale: float
+) -> None:
+    """Fractions stay within [0, 1] and count over the real elements (not rows padded to the
+    blocks, not a Hadamard transform's spread); one inf in the input is counted once; a block
+    scale hits the top of its format only beyond float rounding (never for a scale taken from
+    the amax)."""
+    from mixprec._src.fp8 import hook as fp8_hook
+    from mixprec._src.fp8.recipes import get_recipe
+    from mixprec._src.fp8.stats import Fp8Stats
+
+    torch.manual_seed(0)
+    lin = nn.Linear(128, 128)
+    with torch.no_grad():
+        lin.weight.mul_(weight_scale)
+    x = torch.randn(tokens, 128, requires_grad=True)
+    if inf_at is not None:
+        with torch.no_grad():
+            x.view(-1)[inf_at % x.numel()] = float("inf")
+    with Fp8Stats() as stats:
+        token = fp8_hook.enter_module(lin, "lin", get_recipe(recipe), torch.float32)
+        try:
+            out = lin(x)
+        finally:
+            fp8_hook.exit_module(token)
+        out.sum().backward()
+    got = stats.read()["lin"]
+    for operand in (got.input, got.weight, got.grad_output):
+        assert 0.0 <= operand.saturated <= 1.0 and 0.0 <= operand.flushed <= 1.0
+    assert got.input.nonfinite == (0 if inf_at is None else 1)
+    if inf_at is None:
+        assert got.weight.block_saturated == 0.0 and got.input.block_saturated == 0.0
+
+
+@pytest.mark.parametrize("word", ["fp8:rowwise", "mxfp8", "fp8"])
+def test_a_stable_run_raises_no_clipping_alert(word: str) -> None:
+    """Scales taken from the amax (or its power of two) never clip: over a stable run with new
+    batches at every check, the watch raises no clip alert (values that merely round to the
+    format's maximum are not counted)."""
+    model = _net(64)
+    advice = mixprec.advise(model, _batch(64), mse, candidates=[word])
+    watch = mixprec.Watch(model, mse, advice, every=1, sample=2)
+    opt = torch.optim.SGD(model.parameters(), lr=1e-2)
+    gen = torch.Generator().manual_seed(5)
+    alerts = []
+    for _ in range(6):
+        batch = (torch.randn(64, 64, generator=gen), torch.randn(64, 64, generator=gen))
+        with mixprec.autocast("cpu", dtype=advice.dtype, policy=advice.policy):
+            loss = mse(model, batch)
+        loss.backward()
+        opt.step()
+        opt.zero_grad()
+        report = watch.step(batch)
+        assert report is not None
+        alerts += report.alerts
+        assert all(r.clipped == 0.0 for r in report.records)
+    assert not [a for a in alerts if "clips" in a or "saturates" in a], alerts

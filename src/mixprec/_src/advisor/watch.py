@@ -13,12 +13,15 @@ A whole-model gradient SQNR falls during ordinary training (as the loss converge
 becomes a sum of contributions that cancel, while rounding errors do not), for bf16 as for fp8;
 what signals a stale policy is the candidate losing ground against bf16 at the same step. An
 alert is raised when a module's margin over its 16-bit figure falls more than ``tolerance`` dB
-below its margin when the watch first measured it, when its candidate gives inf/NaN, or when its
-fp8 saturated or flushed fraction rises above ``rise`` times its figure in the advice (plus
-0.1%): outliers that set a tensor's scale flush the other values long before an SQNR dominated
-by the outliers themselves moves. An alert is a :class:`~mixprec.errors.MixprecWarning` naming
-the module and the updated proposal (the advice's figures with each module's loss of margin);
-``hook`` sees every check (TensorBoard: ``TensorBoardHook.record_watch``).
+below its margin when the watch first measured it, when its candidate gives inf/NaN, or when
+its fp8 clipped or flushed fraction rises above ``rise`` times its figure in the advice (plus
+0.1%). Clipped counts what clips: the blocks whose scale hit the top of its format (values at
+the format's maximum after rounding are not clipped: a scale from the amax, or its power of
+two, never clips). Outliers that set a tensor's scale flush the other values long before an
+SQNR dominated by the outliers themselves moves. An alert is a
+:class:`~mixprec.errors.MixprecWarning` naming the module and the updated proposal (the
+advice's figures with each module's loss of margin); ``hook`` sees every check (TensorBoard:
+``TensorBoardHook.record_watch``).
 """
 
 from __future__ import annotations
@@ -73,6 +76,8 @@ class WatchRecord:
         saturated: fp8: the largest fraction of values at the format's maximum over the
             module's operands; None for 16-bit.
         flushed: fp8: the largest fraction of non-zero values flushed to 0; None for 16-bit.
+        clipped: fp8: the largest fraction of an operand's blocks whose scale hit the top of
+            its format, so that their values clip; None for 16-bit.
     """
 
     step: int
@@ -83,6 +88,7 @@ class WatchRecord:
     output_sqnr: float
     saturated: float | None
     flushed: float | None
+    clipped: float | None = None
 
     @property
     def margin(self) -> float | None:
@@ -318,13 +324,13 @@ class Watch:
                 )
         before = row.measurement(rec.candidate)
         for what, now, was in (
-            ("saturates", rec.saturated, _saturation(before)),
+            ("clips", rec.clipped, _clipped(before)),
             ("flushes to 0", rec.flushed, _flushed(before)),
         ):
             if now is not None and was is not None and now > self.rise * was + FRACTION_FLOOR:
                 return (
                     f"{rec.name} ({rec.candidate}) {what} {100 * now:.2g}% of an operand's "
-                    f"values, {100 * was:.2g}% in the advice"
+                    f"{'blocks' if what == 'clips' else 'values'}, {100 * was:.2g}% in the advice"
                 )
         return None
 
@@ -448,6 +454,15 @@ def _saturation(m: Measurement | None) -> float | None:
     return max(m.fp8.input.saturated, m.fp8.weight.saturated, m.fp8.grad_output.saturated)
 
 
+def _clipped(m: Measurement | None) -> float | None:
+    if m is None or m.fp8 is None:
+        return None
+    fp8 = m.fp8
+    return max(
+        fp8.input.block_saturated, fp8.weight.block_saturated, fp8.grad_output.block_saturated
+    )
+
+
 def _flushed(m: Measurement | None) -> float | None:
     if m is None or m.fp8 is None:
         return None
@@ -464,6 +479,7 @@ def _record(step: int, row: ModuleAdvice, m: Measurement, ref: Measurement | Non
         m.output_sqnr,
         _saturation(m),
         _flushed(m),
+        _clipped(m),
     )
 
 
