@@ -405,3 +405,21 @@ def test_a_stable_run_raises_no_clipping_alert(word: str) -> None:
         alerts += report.alerts
         assert all(r.clipped == 0.0 for r in report.records)
     assert not [a for a in alerts if "clips" in a or "saturates" in a], alerts
+
+
+@pytest.mark.parametrize(
+    ("words", "why"),
+    [
+        (["mxfp8"], "in_features 8 is not a multiple of mxfp8's block 32"),
+        (["nvfp4", "mxfp8"], "of nvfp4's block 16; in_features 8 is not a multiple of mxfp8's"),
+    ],
+)
+def test_a_linear_no_candidate_serves_says_why(words: list[str], why: str) -> None:
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(8, 32), nn.GELU(), nn.Linear(32, 32))
+    batch = (torch.randn(16, 8), torch.randn(16, 32))
+    advice = mixprec.advise(model, batch, mse, candidates=words)
+    first, last = advice.modules[0], advice.modules[1]
+    assert last.served and not first.served
+    assert "no candidate serves Linear (" in first.reason and why in first.reason
+    assert "no candidate serves Linear" in " ".join(advice.table().split())
