@@ -90,17 +90,18 @@ def advise(
 ) -> Advice:
     """Measure each module's error in each candidate precision and propose a :class:`Policy`.
 
-    Runs a float32 reference forward+backward (``loss_fn(model, batch).backward()``), then one
-    pass per module and candidate with only that module in the candidate precision, and one
-    pass of the region with every measured module in float32 (the error of the ops between
-    them); around fp8, each kept module is also measured in the region's dtype. Per module it
-    reports the SQNR of the output, of the input and weight gradients and of the whole model's
-    gradient, for float16 the values out of range and the gradients that flush to zero with and
-    without loss scaling, for fp8 the saturated and flushed fractions of each operand. The
-    proposal keeps the most sensitive modules out of the candidates until the predicted
-    whole-model gradient SQNR meets ``min_sqnr`` (or keeps the ``keep_at_most`` most sensitive
-    ones). The model's parameters, buffers, ``.grad`` and torch's RNG state are left as they
-    were.
+    Every pass runs in float32 outside the candidates' own regions, also when ``advise`` is
+    called inside an autocast region. Runs a float32 reference forward+backward
+    (``loss_fn(model, batch).backward()``), then one pass per module and candidate with only
+    that module in the candidate precision, and one pass of the region with every measured
+    module in float32 (the error of the ops between them); around fp8, each kept module is also
+    measured in the region's dtype. Per module it reports the SQNR of the output, of the input
+    and weight gradients and of the whole model's gradient, for float16 the values out of range
+    and the gradients that flush to zero with and without loss scaling, for fp8 the saturated
+    and flushed fractions of each operand. The proposal keeps the most sensitive modules out of
+    the candidates until the predicted whole-model gradient SQNR meets ``min_sqnr`` (or keeps
+    the ``keep_at_most`` most sensitive ones). The model's parameters, buffers, ``.grad`` and
+    torch's RNG state are left as they were.
 
     Args:
         model: the model, on the device to measure on.
@@ -121,10 +122,14 @@ def advise(
         gpu: a GPU for the speed model (``"h100"``, ``"h200"``, ``"h200-nvl"``,
             ``"b200"``, ``"b300"``): each module's predicted time per candidate (its three
             GEMMs and casts, for the shapes of ``batch``) and the step's predicted speedup
-            against bf16 (docs/advisor.md says how it is modelled).
+            against bf16 (docs/advisor.md says how it is modelled). A recipe the GPU has no
+            kernel for is measured (emulated) but never chosen.
         objective: what the search minimises once ``min_sqnr`` is met: ``"fewest_kept"``
             (default: the fewest modules kept, the cheapest candidates) or ``"speed"`` (the
-            fastest policy on ``gpu``; needs a ``gpu``).
+            fastest policy on ``gpu``; needs a ``gpu``). ``"speed"`` without ``min_sqnr`` and
+            ``keep_at_most`` needs no per-module figure: the policy the speed model predicts
+            fastest from the reference pass's shapes is measured once (two passes in all; each
+            module is measured alone only if that policy gives inf/NaN).
 
     Returns:
         An :class:`~mixprec.types.Advice`: the policy, the region dtype, a suggested
@@ -132,9 +137,10 @@ def advise(
         ``table()``, ``plot()`` and ``to_json()``.
 
     Raises:
-        ConfigError: a bad argument (before any pass), a model with 16-bit parameters, a loss
-            function that cannot be called as ``loss_fn(model, batch)`` or does not return a
-            scalar loss that requires grad, a float32 reference with inf/NaN gradients.
+        ConfigError: a bad argument (before any pass), a ``torch.compile``'d model (pass the
+            eager module; before any pass), a model with 16-bit parameters, a loss function
+            that cannot be called as ``loss_fn(model, batch)`` or does not return a scalar loss
+            that requires grad, a float32 reference with inf/NaN gradients.
 
     Example:
         >>> import torch, mixprec
