@@ -423,3 +423,17 @@ def test_a_linear_no_candidate_serves_says_why(words: list[str], why: str) -> No
     assert last.served and not first.served
     assert "no candidate serves Linear (" in first.reason and why in first.reason
     assert "no candidate serves Linear" in " ".join(advice.table().split())
+
+
+def test_a_watched_model_still_pickles_and_the_watch_leaves_no_hook_behind() -> None:
+    import gc
+    import pickle
+
+    advice = mixprec.advise(_net(), _batch(), mse, candidates=["fp8"])
+    model = _net()
+    watch = mixprec.Watch(model, mse, advice)
+    pickle.loads(pickle.dumps(model))
+    assert len(model._forward_pre_hooks) == 1
+    del watch
+    gc.collect()
+    assert len(model._forward_pre_hooks) == 0

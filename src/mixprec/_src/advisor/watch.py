@@ -386,27 +386,31 @@ class Watch:
 
 
 class _TrainedPolicies:
-    """The policies the model's training forwards ran under (a forward pre-hook on the model
-    that asks autocast; the advisor's own passes are not training)."""
+    """The policies the model's training forwards ran under: a forward pre-hook on the model
+    (a plain object, so that the model still pickles) that asks autocast; the advisor's own
+    passes are not training. The hook goes when the watch does."""
 
     def __init__(self, model: nn.Module) -> None:
-        seen: list[Policy | None] = []
-        self._seen = seen
-
-        def hook(module: nn.Module, args: Any) -> None:
-            if torch.compiler.is_compiling() or in_pass():
-                return
-            if module.training and torch.is_grad_enabled():
-                inside, policy = region_policy()
-                seen.append(policy if inside else None)
-
-        self._handle = model.register_forward_pre_hook(hook)
+        self._probe = _PolicyProbe()
+        self._handle = model.register_forward_pre_hook(self._probe)
         weakref.finalize(self, self._handle.remove)
 
     def take(self) -> list[Policy | None]:
-        found = list(dict.fromkeys(self._seen))
-        self._seen.clear()
+        found = list(self._probe.seen)
+        self._probe.seen.clear()
         return found
+
+
+class _PolicyProbe:
+    def __init__(self) -> None:
+        self.seen: dict[Policy | None, None] = {}
+
+    def __call__(self, module: nn.Module, args: Any) -> None:
+        if torch.compiler.is_compiling() or in_pass():
+            return
+        if module.training and torch.is_grad_enabled():
+            inside, policy = region_policy()
+            self.seen[policy if inside else None] = None
 
 
 def _check(
