@@ -8,6 +8,8 @@ name is missing; ``tests/test_torch_compat.py`` checks every entry on the torch 
 
 from __future__ import annotations
 
+import sys
+
 # ---------------------------------------------------------------- kernels, scaling, fp8, devices
 
 # ---------------------------------------------------------------- autocast and the fp8 hook
@@ -15,16 +17,14 @@ from __future__ import annotations
 # ---------------------------------------------------------------- the advisor
 
 
-def _compiled_module_types() -> tuple[type, ...]:
-    try:
-        from torch._dynamo.eval_frame import OptimizedModule
-    except ImportError:  # a torch without dynamo
-        return ()
-    return (OptimizedModule,)
+def is_compiled_module(module: object) -> bool:
+    """Whether ``module`` is what ``torch.compile(module)`` returns (``OptimizedModule``, whose
+    ``_orig_mod`` is the eager module). The advisor refuses such a module: its taps and
+    isolated regions are forward hooks, which a compiled graph traces once and replays.
 
-
-#: The class of what ``torch.compile(module)`` returns (``OptimizedModule``, whose
-#: ``_orig_mod`` is the eager module), for ``isinstance``. The advisor refuses such a module:
-#: its taps and isolated regions are forward hooks, which a compiled graph traces once and
-#: replays. Checked on torch 2.4-2.13; empty where the class is missing.
-COMPILED_MODULE_TYPES: tuple[type, ...] = _compiled_module_types()
+    Checked on torch 2.4-2.13 (``torch._dynamo.eval_frame.OptimizedModule``). Nothing is
+    imported: where dynamo was never imported, nothing was compiled.
+    """
+    eval_frame = sys.modules.get("torch._dynamo.eval_frame")
+    optimized = getattr(eval_frame, "OptimizedModule", None)
+    return optimized is not None and isinstance(module, optimized)

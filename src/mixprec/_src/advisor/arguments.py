@@ -31,7 +31,7 @@ from mixprec._src.advisor.choose.search import OBJECTIVES
 from mixprec._src.autocast.rules import Rule, format_dtype
 from mixprec._src.fp8 import hook as fp8_hook
 from mixprec._src.fp8.recipes import RECIPES, get_recipe
-from mixprec._src.torch_compat import COMPILED_MODULE_TYPES
+from mixprec._src.torch_compat import is_compiled_module
 from mixprec.errors import ConfigError
 
 LOSS_FORM = (
@@ -135,9 +135,7 @@ def check_model(model: object) -> None:
     """
     if not isinstance(model, nn.Module):
         raise ConfigError(f"model must be a torch.nn.Module, got {type(model).__name__}")
-    compiled = next(
-        (n for n, m in model.named_modules() if isinstance(m, COMPILED_MODULE_TYPES)), None
-    )
+    compiled = next((n for n, m in model.named_modules() if is_compiled_module(m)), None)
     if compiled is not None:
         what = "model is" if not compiled else f"model.{compiled} is"
         raise ConfigError(
