@@ -1,1 +1,1 @@
-"""Measuring: which modules, the passes over the guarded model, the hooks, the error figures."""
+"""Measuring: the guard around the model, the passes and their hooks, the error figures."""
