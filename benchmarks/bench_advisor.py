@@ -3,9 +3,9 @@
 Printed, side by side in one run (threads pinned, load average shown since the machine may be
 shared):
 
-1. Cost of exact mode on the GPT-like model of ``examples/advise_gpt.py`` (2 blocks, width 256,
+1. Cost of an advice on the GPT-like model of ``examples/advise_gpt.py`` (2 blocks, width 256,
    9 Linear layers): median wall time of ``mixprec.advise`` over repeats, against one float32
-   forward+backward of the same model (the floor: exact mode is at least ``passes`` of them).
+   forward+backward of the same model (the floor: an advice is at least ``passes`` of them).
 2. The fp8 target for each recipe: all-fp8, the proposal for ``min_sqnr=30, keep_at_most=2``
    (kept modules, predicted, measured with the policy applied), and the per-module impact next to
    an independent oracle, torchao's emulated Float8Linear swapped in for one layer at a time in
@@ -20,6 +20,9 @@ shared):
 6. (full mode) ``objective="speed"`` on a wider GPT (width 1024, 2048 tokens, vocab 8192) for
    ``gpu="h100"`` and ``"b200"``: what the fastest policy meeting 25 dB keeps, its predicted
    speedup against bf16, against the fewest-kept proposal's.
+7. The fastest policy without a target (``objective="speed", gpu="b200"``) on the GPT of
+   ``examples/advise_gpt.py`` at 16,384 tokens: one reference pass gives the GEMM shapes, the
+   speed model predicts every option from them, one pass measures the policy: wall and CPU time.
 
 Run: ``python benchmarks/bench_advisor.py [--threads 2] [--repeats 3] [--quick]``.
 """
@@ -70,7 +73,7 @@ def _fp32_pass_s(model: nn.Module, batch: Any, loss_fn: Any, repeats: int = 3) -
 
 
 def cost(task: Any, repeats: int) -> list[mixprec.types.Advice]:
-    """Wall and CPU time of exact mode; each repeat is paired with a float32 pass measured just
+    """Wall and CPU time of an advice; each repeat is paired with a float32 pass measured just
     before it (the ratio of the two cancels most of the load drift of a shared machine)."""
     model, batch, loss_fn = task
     rows, reports = [], []
@@ -94,7 +97,7 @@ def cost(task: Any, repeats: int) -> list[mixprec.types.Advice]:
             reports.append(advice)
         ratio = statistics.median(ratios)
         rows.append(
-            f"| exact{' + check' if check else ''} | {advice.passes} | "
+            f"| advise{' + check' if check else ''} | {advice.passes} | "
             f"{statistics.median(walls):.2f} | {min(walls):.2f} | {min(cpus):.2f} | "
             f"{ratio:.1f} | {ratio / advice.passes:.2f} |"
         )
@@ -277,6 +280,20 @@ def speed_objective(ex: Any) -> None:
             )
 
 
+def speed_once(ex: Any) -> float:
+    """``objective="speed"`` without a target at 16,384 tokens: seconds of CPU time."""
+    model, batch, loss_fn = ex.make_gpt(batch=256)
+    wall, cpu = time.perf_counter(), time.process_time()
+    advice = mixprec.advise(model, batch, loss_fn, objective="speed", gpu="b200")
+    wall, cpu = time.perf_counter() - wall, time.process_time() - cpu
+    print(
+        f"\nobjective='speed', gpu='b200', no target, {batch[0].numel()} tokens: "
+        f"{advice.passes} passes, wall {wall:.1f} s, CPU {cpu:.1f} s (load {_load()}); "
+        f"policy: {str(advice.policy) or '(no rules)'}"
+    )
+    return cpu
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--threads", type=int, default=2)
@@ -299,6 +316,7 @@ def main(argv: list[str] | None = None) -> int:
     overhead = watch_overhead(task, 2 if args.quick else 4)
     if not args.quick:
         speed_objective(ex)
+        speed_once(ex)
     same = len({r.to_json() for r in reports[: len(reports) // 2]}) == 1
     same = same and len({r.to_json() for r in reports[len(reports) // 2 :]}) == 1
     print(f"\ndeterministic: {'yes' if same else 'NO'} (JSON of the repeated runs)")

@@ -293,7 +293,7 @@ def test_a_module_that_does_not_run_is_reported_and_left_out() -> None:
 def test_docstring_examples_run() -> None:
     import doctest
 
-    from mixprec._src.advisor import api
+    from mixprec._src.advisor import advise as api
 
     result = doctest.testmod(api)
     assert result.failed == 0 and result.attempted >= 5
@@ -351,7 +351,7 @@ def test_the_prediction_line_says_what_an_infinite_region_sqnr_means() -> None:
     error (it printed "the ops between the measured modules alone: inf dB")."""
     import doctest
 
-    from mixprec._src.advisor import table
+    from mixprec._src.advisor.report import table
 
     assert "no measurable error" in table.between(float("inf"))
     assert "inf" not in table.between(float("inf"))

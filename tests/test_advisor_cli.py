@@ -78,8 +78,8 @@ def test_benchmark_quick_prints_every_table(capsys: pytest.CaptureFixture[str]) 
     assert bench.main(["--quick", "--threads", "1"]) == 0
     out = capsys.readouterr().out
     for text in (
-        "| exact |",
-        "| exact + check |",
+        "| advise |",
+        "| advise + check |",
         "| fp8 |",
         "torchao",
         "fp16 target: kept",

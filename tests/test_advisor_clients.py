@@ -34,7 +34,8 @@ def test_norms_no_candidate_serves_are_not_kept_and_do_not_use_up_keep_at_most(
     assert len(nano_fp8.kept) == 2 and "lm_head" in nano_fp8.kept  # the two most sensitive
     assert nano_fp8.met
     assert not any("inf/NaN" in n for n in nano_fp8.notes)
-    assert any("no candidate serves (BiasLayerNorm x5)" in n for n in nano_fp8.notes)
+    assert any("get no rule (BiasLayerNorm x5" in n for n in nano_fp8.notes)
+    assert all("no candidate serves BiasLayerNorm (fp8 serves nn.Linear" in m.reason for m in norms)
     for norm in norms:  # no rule: the region runs them
         assert nano_fp8.policy.module_rule(nn.LayerNorm(4), norm.name) is None
     assert nano_fp8.measured_sqnr is not None
@@ -105,7 +106,7 @@ def _mlp() -> tuple[nn.Module, Any]:
         ({"more_batches": torch.zeros(2)}, "more_batches must be a list or tuple.*Tensor"),
         ({"progress": 5}, "progress must be None or a function.*int 5"),
         ({"candidates": ["fp8"], "modules": ["1"]}, "serves nn.Linear"),
-        ({"candidates": ["mxfp8"]}, "with in_features a multiple of 32 and out_features of 32"),
+        ({"candidates": ["mxfp8"]}, "in_features 8 is not a multiple of mxfp8's block 32"),
         ({"gpu": "a100"}, "not a GPU"),
     ],
 )
@@ -194,7 +195,12 @@ def test_bias_layernorm_is_selected_by_default_for_16_bit_candidates() -> None:
     model, batch, loss_fn = nano_task()
     advice = mixprec.advise(model, batch, loss_fn, candidates=["bf16"])
     norms = [m for m in advice.modules if m.kind == BiasLayerNorm.__name__]
-    assert len(norms) == 5 and all(m.served and m.measurements for m in norms)
+    assert len(norms) == 5 and all(m.measurements for m in norms)
+    for m in norms:  # measured, exact in bf16 (autocast runs a norm's ops in float32): no rule
+        assert m.measurements[0].model_grad_sqnr == math.inf
+        assert not m.served and m.choice == "bf16" and "no matmul" in m.reason
+        assert advice.policy.module_rule(BiasLayerNorm(4), m.name) is None
+    assert not set(advice.kept) & {m.name for m in norms}
 
 
 # --- the additive model's own check ------------------------------------------------------------

@@ -18,13 +18,11 @@ from hypothesis import strategies as st
 from torch import nn
 
 import mixprec
-from mixprec._src.advisor import gpus
-from mixprec._src.advisor.fastest import search_fastest
-from mixprec._src.advisor.formats import recipe_operands
-from mixprec._src.advisor.gpus import GPU, GPUS
-from mixprec._src.advisor.metrics import db_to_ratio, ratio_to_db
-from mixprec._src.advisor.propose import Choice, Option
-from mixprec._src.advisor.speed import (
+from mixprec._src.advisor.choose.search import Choice, Option, Target, search
+from mixprec._src.advisor.measure.metrics import db_to_ratio, ratio_to_db
+from mixprec._src.advisor.speed import gpus
+from mixprec._src.advisor.speed.gpus import GPU, GPUS
+from mixprec._src.advisor.speed.model import (
     BF16,
     ROW,
     Format,
@@ -34,6 +32,7 @@ from mixprec._src.advisor.speed import (
     gemm_s,
     module_time,
 )
+from mixprec._src.advisor.speed.operands import recipe_operands
 from mixprec.errors import ConfigError
 
 SWEEP = [2**p for p in range(8, 16)]  # torchao's float8_roofline "sweep": 256 .. 32768
@@ -43,8 +42,8 @@ def _speedup(target: str, m: int, k: int, n: int, recipe: str) -> float:
     gpu = GPUS[target]
     ops = recipe_operands(recipe)
     assert ops is not None
-    low = module_time(gpu, [Shape(m, k, n)], ops)
-    high = module_time(gpu, [Shape(m, k, n)], Operands.uniform(BF16))
+    low = module_time(gpu, [Shape(m, k, n)], ops, True)
+    high = module_time(gpu, [Shape(m, k, n)], Operands.uniform(BF16), True)
     assert low is not None and high is not None
     return high.total / low.total
 
@@ -257,7 +256,7 @@ def test_speed_search_meets_a_reachable_target_and_no_single_move_is_faster(
     rows: list[tuple[list[tuple[float, float]], float]], region_db: float, target: float
 ) -> None:
     region = db_to_ratio(region_db)
-    result = search_fastest(_fastest_choices(rows), region, target, None)
+    result = search(_fastest_choices(rows), region, Target(target, None, "speed"))
     feasible = ratio_to_db(region) >= target  # keeping everything is the most precise
     assert result.met == feasible
     if not result.met:
@@ -274,11 +273,11 @@ def test_speed_search_meets_a_reachable_target_and_no_single_move_is_faster(
 
 def test_speed_search_keeps_a_layer_where_fp8_is_slower_and_respects_keep_at_most() -> None:
     choices = _fastest_choices([([(30.0, 5.0)], 2.0), ([(30.0, 1.0)], 2.0), ([(30.0, 4.0)], 3.0)])
-    result = search_fastest(choices, 0.0, None, None)
+    result = search(choices, 0.0, Target(None, None, "speed"))
     assert [c.kept for c in result.choices] == [True, False, True]
     assert "fastest" in result.choices[0].reason
     two = _fastest_choices([([(30.0, 5.0)], 2.0), ([(30.0, 4.0)], 3.0)])
-    limited = search_fastest(two, 0.0, None, 1)
+    limited = search(two, 0.0, Target(None, 1, "speed"))
     assert sum(c.kept for c in limited.choices) == 1
     assert limited.choices[0].kept  # keeping it saves the most time
 

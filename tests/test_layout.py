@@ -20,7 +20,10 @@ MAX_FUNCTION_LINES = 40  # of code: docstrings, comments, blank lines and nested
 
 # Known exceptions in other engineers' areas, each with who fixes it. The test fails when one
 # is no longer needed, so the list only shrinks.
-MODULE_EXCEPTIONS: dict[str, str] = {}
+MODULE_EXCEPTIONS: dict[str, str] = {
+    "mixprec._src.autocast.modules": "the advisor's module_records/restore_module_records and "
+    "region_policy, appended (#29); the autocast rewrite (#32) replaces them",
+}
 FUNCTION_EXCEPTIONS: dict[tuple[str, str], str] = {}
 
 # (importer prefix, forbidden prefix): the layers of docs/internals.md.

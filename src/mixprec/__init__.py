@@ -12,7 +12,7 @@ logging; never imported by ``import mixprec``). Everything under ``mixprec._src`
 from __future__ import annotations
 
 from mixprec import distributed, errors, types
-from mixprec._src.advisor.api import advise
+from mixprec._src.advisor.advise import advise
 from mixprec._src.advisor.watch import Watch
 from mixprec._src.anomaly import find_nonfinite
 from mixprec._src.autocast.custom import custom_bwd, custom_fwd

@@ -7,7 +7,7 @@ read-only view.
 
 from __future__ import annotations
 
-from mixprec._src.advisor.report import (
+from mixprec._src.advisor.report.advice import (
     Advice,
     Cheapest,
     Fp16Range,
@@ -15,7 +15,7 @@ from mixprec._src.advisor.report import (
     ModuleAdvice,
     StepTime,
 )
-from mixprec._src.advisor.speed import Time
+from mixprec._src.advisor.speed.model import Time
 from mixprec._src.advisor.watch import WatchRecord, WatchReport
 from mixprec._src.anomaly import NonFiniteFinder, NonFiniteReport
 from mixprec._src.autocast.policy import PolicyTable, PolicyTableRow

@@ -8,6 +8,23 @@ name is missing; ``tests/test_torch_compat.py`` checks every entry on the torch 
 
 from __future__ import annotations
 
+import sys
+
 # ---------------------------------------------------------------- kernels, scaling, fp8, devices
 
 # ---------------------------------------------------------------- autocast and the fp8 hook
+
+# ---------------------------------------------------------------- the advisor
+
+
+def is_compiled_module(module: object) -> bool:
+    """Whether ``module`` is what ``torch.compile(module)`` returns (``OptimizedModule``, whose
+    ``_orig_mod`` is the eager module). The advisor refuses such a module: its taps and
+    isolated regions are forward hooks, which a compiled graph traces once and replays.
+
+    Checked on torch 2.4-2.13 (``torch._dynamo.eval_frame.OptimizedModule``). Nothing is
+    imported: where dynamo was never imported, nothing was compiled.
+    """
+    eval_frame = sys.modules.get("torch._dynamo.eval_frame")
+    optimized = getattr(eval_frame, "OptimizedModule", None)
+    return optimized is not None and isinstance(module, optimized)

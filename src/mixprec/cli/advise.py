@@ -22,7 +22,7 @@ import torch
 from torch import nn
 
 import mixprec
-from mixprec._src.advisor.gpus import get_gpu
+from mixprec._src.advisor.speed.gpus import get_gpu
 from mixprec.cli._command import Command, CommandError
 from mixprec.cli._output import emit, folder_problem, write_file
 from mixprec.errors import ConfigError

@@ -13,32 +13,45 @@ A whole-model gradient SQNR falls during ordinary training (as the loss converge
 becomes a sum of contributions that cancel, while rounding errors do not), for bf16 as for fp8;
 what signals a stale policy is the candidate losing ground against bf16 at the same step. An
 alert is raised when a module's margin over its 16-bit figure falls more than ``tolerance`` dB
-below its margin when the watch first measured it, when its candidate gives inf/NaN, or when its
-fp8 saturated or flushed fraction rises above ``rise`` times its figure in the advice (plus
-0.1%): outliers that set a tensor's scale flush the other values long before an SQNR dominated
-by the outliers themselves moves. An alert is a :class:`~mixprec.errors.MixprecWarning` naming
-the module and the updated proposal (the advice's figures with each module's loss of margin);
-``hook`` sees every check (TensorBoard: ``TensorBoardHook.record_watch``).
+below its margin when the watch first measured it, when its candidate gives inf/NaN, or when
+its fp8 clipped or flushed fraction rises above ``rise`` times its figure in the advice (plus
+0.1%). Clipped counts what clips: the blocks whose scale hit the top of its format (values at
+the format's maximum after rounding are not clipped: a scale from the amax, or its power of
+two, never clips). Outliers that set a tensor's scale flush the other values long before an
+SQNR dominated by the outliers themselves moves. An alert is a
+:class:`~mixprec.errors.MixprecWarning` naming the module and the updated proposal (the
+advice's figures with each module's loss of margin); ``hook`` sees every check (TensorBoard:
+``TensorBoardHook.record_watch``).
 """
 
 from __future__ import annotations
 
 import math
 import warnings
+import weakref
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
+import torch
 from torch import nn
 
-from mixprec._src.advisor import measure
-from mixprec._src.advisor.candidates import Candidate, parse_candidates, region_dtype
-from mixprec._src.advisor.checks import device_of
-from mixprec._src.advisor.engine import Engine, Job, Target
-from mixprec._src.advisor.metrics import db_to_ratio, ratio_to_db
-from mixprec._src.advisor.propose import Choice, Option, build_policy, search
-from mixprec._src.advisor.report import Advice, Measurement, ModuleAdvice
-from mixprec._src.advisor.state import Guard
+from mixprec._src.advisor.arguments import (
+    Candidate,
+    check_model,
+    device_of,
+    parse_candidates,
+    region_dtype,
+)
+from mixprec._src.advisor.choose.options import module_choice
+from mixprec._src.advisor.choose.policy import build_policy
+from mixprec._src.advisor.choose.search import Target, search
+from mixprec._src.advisor.measure.guard import Guard
+from mixprec._src.advisor.measure.metrics import db_to_ratio, ratio_to_db
+from mixprec._src.advisor.measure.passes import Engine, Job, Subject, in_pass, isolated
+from mixprec._src.advisor.report.advice import Advice, Measurement, ModuleAdvice
+from mixprec._src.advisor.speed.gpus import get_gpu
+from mixprec._src.autocast.modules import region_policy
 from mixprec._src.autocast.policy import Policy
 from mixprec._src.autocast.rules import format_dtype
 from mixprec.errors import ConfigError, MixprecWarning
@@ -63,6 +76,8 @@ class WatchRecord:
         saturated: fp8: the largest fraction of values at the format's maximum over the
             module's operands; None for 16-bit.
         flushed: fp8: the largest fraction of non-zero values flushed to 0; None for 16-bit.
+        clipped: fp8: the largest fraction of an operand's blocks whose scale hit the top of
+            its format, so that their values clip; None for 16-bit.
     """
 
     step: int
@@ -73,6 +88,7 @@ class WatchRecord:
     output_sqnr: float
     saturated: float | None
     flushed: float | None
+    clipped: float | None = None
 
     @property
     def margin(self) -> float | None:
@@ -161,6 +177,8 @@ class Watch:
         names = dict(model.named_modules())
         self._watched = [m for m in advice.modules if m.served and m.choice in m.candidates]
         self._modules = {m.name: names[m.name] for m in self._watched}
+        self._trained = _TrainedPolicies(model)
+        self._warned: set[Policy | None] = set()
         self._margins: dict[str, float] = {}  # the first margin measured, per module
         self._level: dict[str, float] = {}  # the SQNR when the margin was last measured
         self._lost: dict[str, float] = {}  # dB of margin lost since the first
@@ -176,16 +194,21 @@ class Watch:
         batch passed) and return the :class:`WatchReport`, else None.
 
         Call it after the optimizer step. The model's parameters, buffers, ``.grad``, training
-        flags and RNG state are left as they were.
+        flags and RNG state are left as they were. When the model's training forwards since the
+        last step ran under a policy other than the advice's (or outside any mixprec region),
+        it warns once per such policy: the watch measures the advice's choices, not what the
+        loop trains.
 
         Raises:
-            ConfigError: a check is due and no batch was ever passed.
+            ConfigError: a check is due and no batch was ever passed, or a watched module is no
+                longer the model's (replaced or removed since the advice).
 
         Host sync: none between checks; a check reads its figures back.
         """
         self._steps += 1
         if batch is not None:
             self._batch = batch
+        self._notice_other_policy()
         if self._steps % self.every or not self._watched:
             return None
         if self._batch is None:
@@ -231,32 +254,51 @@ class Watch:
         device = device_of(model)
         cands = parse_candidates(list(advice.candidates), device.type)
         job = Job(model, [batch], self.loss_fn, device, cands, region_dtype(cands))
-        params = list(model.parameters())
-        position = {id(p): i for i, p in enumerate(params)}
-        targets = [
-            Target(
-                r.name,
-                self._modules[r.name],
-                sorted({position[id(p)] for p in self._modules[r.name].parameters()}),
+        position = {id(p): i for i, p in enumerate(model.parameters())}
+        subjects = []
+        for r in rows:
+            module = self._current(r.name)
+            subjects.append(
+                Subject(r.name, module, sorted({position[id(p)] for p in module.parameters()}))
             )
-            for r in rows
-        ]
         high = Candidate(format_dtype(job.region), job.region)
         with Guard(model, device) as guard:
             engine = Engine(job, guard)
-            engine.run_reference(targets)
+            engine.run_reference(subjects)
             engine.scale = advice.init_scale or 1.0
             found = []
-            for t, r in zip(targets, rows, strict=True):
-                cand = _candidate(cands, r.choice)
-                got = measure.isolated(engine, t, cand)
-                ref = (
-                    measure.isolated(engine, t, high)
-                    if self._needs_reference(r, cand, got)
-                    else None
-                )
+            for s, r in zip(subjects, rows, strict=True):
+                cand = Candidate.of(r.choice)
+                got = isolated(engine, s, cand)
+                ref = isolated(engine, s, high) if self._needs_reference(r, cand, got) else None
                 found.append(_record(self._steps, r, got, ref))
         return found
+
+    def _current(self, name: str) -> nn.Module:
+        """The watched module ``name``, still the one the advice measured."""
+        module = dict(self.model.named_modules()).get(name)
+        if module is self._modules[name]:
+            return module
+        what = "removed from the model" if module is None else "replaced by another module"
+        raise ConfigError(
+            f"the watched module {name!r} was {what} since the advice: its figures no longer "
+            "describe the model; advise the model again (mixprec.advise) and watch the new advice"
+        )
+
+    def _notice_other_policy(self) -> None:
+        """Warn once per policy the loop trains other than the advice's."""
+        for policy in self._trained.take():
+            if policy == self.advice.policy or policy in self._warned:
+                continue
+            self._warned.add(policy)
+            what = "outside any mixprec.autocast policy" if policy is None else f"{str(policy)!r}"
+            warnings.warn(
+                f"mixprec.Watch: the model trains under {what}, not the advice's policy "
+                f"{str(self.advice.policy)!r}; the watch measures the advice's choices: train "
+                "with advice.policy, or watch the advice made for the policy you train",
+                MixprecWarning,
+                stacklevel=3,
+            )
 
     def _needs_reference(self, row: ModuleAdvice, cand: Candidate, got: Measurement) -> bool:
         """The 16-bit pass is run the first time a module in a recipe is measured, and when
@@ -282,13 +324,13 @@ class Watch:
                 )
         before = row.measurement(rec.candidate)
         for what, now, was in (
-            ("saturates", rec.saturated, _saturation(before)),
+            ("clips", rec.clipped, _clipped(before)),
             ("flushes to 0", rec.flushed, _flushed(before)),
         ):
             if now is not None and was is not None and now > self.rise * was + FRACTION_FLOOR:
                 return (
                     f"{rec.name} ({rec.candidate}) {what} {100 * now:.2g}% of an operand's "
-                    f"values, {100 * was:.2g}% in the advice"
+                    f"{'blocks' if what == 'clips' else 'values'}, {100 * was:.2g}% in the advice"
                 )
         return None
 
@@ -310,19 +352,65 @@ class Watch:
         return ratio_to_db(noise)
 
     def _proposal(self) -> Policy | None:
+        """The advisor's search, with the advice's objective and GPU, on the advice's figures
+        with each module's loss of margin (a module with an alert cannot keep its choice)."""
         advice = self.advice
         served = [m for m in advice.modules if m.served]
+        gpu = None if advice.gpu is None else get_gpu(advice.gpu)
         choices = [
-            _choice(m, self._lost.get(m.name, 0.0), advice.kept_precision, m.name in self._flagged)
+            module_choice(
+                m.name,
+                m.measurements,
+                (advice.kept_precision, m.kept_measurement, m.kept_time),
+                gpu,
+                db_of=self._lowered(m),
+            )
             for m in served
         ]
-        found = search(
-            choices, db_to_ratio(advice.region_sqnr), advice.min_sqnr, advice.keep_at_most
-        )
+        target = Target(advice.min_sqnr, advice.keep_at_most, advice.objective)
+        found = search(choices, db_to_ratio(advice.region_sqnr), target)
         picked = {c.name: c.current.word for c in found.choices}
         names = [m.name for m in served]
         policy = build_policy(self.model, picked, format_dtype(advice.dtype), names)
         return None if policy == advice.policy else policy
+
+    def _lowered(self, row: ModuleAdvice) -> Callable[[Measurement], float]:
+        lost, flagged = self._lost.get(row.name, 0.0), row.name in self._flagged
+
+        def db_of(m: Measurement) -> float:
+            if not m.finite or (flagged and m.candidate == row.choice):
+                return -math.inf
+            return m.model_grad_sqnr - (lost if m.candidate == row.choice else 0.0)
+
+        return db_of
+
+
+class _TrainedPolicies:
+    """The policies the model's training forwards ran under: a forward pre-hook on the model
+    (a plain object, so that the model still pickles) that asks autocast; the advisor's own
+    passes are not training. The hook goes when the watch does."""
+
+    def __init__(self, model: nn.Module) -> None:
+        self._probe = _PolicyProbe()
+        self._handle = model.register_forward_pre_hook(self._probe)
+        weakref.finalize(self, self._handle.remove)
+
+    def take(self) -> list[Policy | None]:
+        found = list(self._probe.seen)
+        self._probe.seen.clear()
+        return found
+
+
+class _PolicyProbe:
+    def __init__(self) -> None:
+        self.seen: dict[Policy | None, None] = {}
+
+    def __call__(self, module: nn.Module, args: Any) -> None:
+        if torch.compiler.is_compiling() or in_pass():
+            return
+        if module.training and torch.is_grad_enabled():
+            inside, policy = region_policy()
+            self.seen[policy if inside else None] = None
 
 
 def _check(
@@ -333,8 +421,7 @@ def _check(
     limits: tuple[object, object],
     hook: object,
 ) -> None:
-    if not isinstance(model, nn.Module):
-        raise ConfigError(f"model must be a torch.nn.Module, got {type(model).__name__}")
+    check_model(model)
     if not callable(loss_fn):
         raise ConfigError("loss_fn must be callable as loss_fn(model, batch)")
     if not isinstance(advice, Advice):
@@ -349,6 +436,12 @@ def _check(
             raise ConfigError(f"{name} must be a number >= 0, got {value!r}")
     if hook is not None and not callable(hook):
         raise ConfigError(f"hook must be None or a function of a WatchReport, got {hook!r}")
+    if any(math.isnan(x.model_grad_sqnr) for m in advice.modules for x in m.measurements):
+        raise ConfigError(
+            "the advice has no per-module figures to watch (objective='speed' without a "
+            "target measures the fastest policy once): advise with min_sqnr or keep_at_most"
+        )
+    assert isinstance(model, nn.Module)  # check_model raised otherwise
     named = dict(model.named_modules())
     missing = [m.name for m in advice.modules if m.name not in named]
     if missing:
@@ -359,14 +452,19 @@ def _row(advice: Advice, name: str) -> ModuleAdvice:
     return next(m for m in advice.modules if m.name == name)
 
 
-def _candidate(cands: Sequence[Candidate], word: str) -> Candidate:
-    return next(c for c in cands if c.word == word)
-
-
 def _saturation(m: Measurement | None) -> float | None:
     if m is None or m.fp8 is None:
         return None
     return max(m.fp8.input.saturated, m.fp8.weight.saturated, m.fp8.grad_output.saturated)
+
+
+def _clipped(m: Measurement | None) -> float | None:
+    if m is None or m.fp8 is None:
+        return None
+    fp8 = m.fp8
+    return max(
+        fp8.input.block_saturated, fp8.weight.block_saturated, fp8.grad_output.block_saturated
+    )
 
 
 def _flushed(m: Measurement | None) -> float | None:
@@ -385,22 +483,8 @@ def _record(step: int, row: ModuleAdvice, m: Measurement, ref: Measurement | Non
         m.output_sqnr,
         _saturation(m),
         _flushed(m),
+        _clipped(m),
     )
-
-
-def _choice(row: ModuleAdvice, lost: float, kept_word: str, flagged: bool) -> Choice:
-    """The module's options in the advice, its chosen one lowered by the margin it lost (ruled
-    out when the module has an alert)."""
-    options = []
-    for m in row.measurements:
-        db = m.model_grad_sqnr - (lost if m.candidate == row.choice else 0.0)
-        if flagged and m.candidate == row.choice:
-            db = -math.inf
-        options.append(Option(m.candidate, db_to_ratio(db) if db != -math.inf else math.inf, db))
-    kept = row.kept_measurement
-    kept_db = math.inf if kept is None else kept.model_grad_sqnr
-    options.append(Option(kept_word, db_to_ratio(kept_db), kept_db))
-    return Choice(row.name, options)
 
 
 def _db(db: float) -> str:

@@ -595,3 +595,48 @@ def release_global_hooks() -> None:
         if _GLOBAL["count"] == 0:
             for handle in _GLOBAL["handles"]:
                 handle.remove()
+
+
+def module_records(model: nn.Module) -> dict[int, dict[str, Any]]:
+    """What mixprec.autocast keeps on each module of ``model`` (its ``_mixprec_*`` instance
+    attributes), by module id: what :func:`restore_module_records` puts back.
+
+    Host sync: none.
+    """
+    return {
+        id(m): {k: v for k, v in m.__dict__.items() if k.startswith("_mixprec_")}
+        for m in model.modules()
+    }
+
+
+def restore_module_records(model: nn.Module, records: dict[int, dict[str, Any]]) -> None:
+    """Put back what :func:`module_records` took: records made since are removed (a rule
+    record's hooks with it).
+
+    Host sync: none.
+    """
+    for mod in model.modules():
+        before = records.get(id(mod), {})
+        for key in [k for k in mod.__dict__ if k.startswith("_mixprec_") and k not in before]:
+            value = mod.__dict__.pop(key)
+            if key == _REC_ATTR:
+                for handle in getattr(value, "handles", ()):
+                    handle.remove()
+        mod.__dict__.update(before)
+
+
+def region_policy() -> tuple[bool, Policy | None]:
+    """Whether this thread is inside an enabled mixprec region, and the policy in force there
+    (a region without one inherits the enclosing region's): what the advisor's Watch compares
+    with the advice it watches.
+
+    Example:
+        >>> region_policy()
+        (False, None)
+
+    Host sync: none.
+    """
+    frame = TLS.frames[-1] if TLS.frames else None
+    if frame is None or not frame.enabled:
+        return False, None
+    return True, frame.policy

@@ -18,6 +18,7 @@ from mixprec._src.autocast.rules import Rule, RuleLike, accepted_compute
 from mixprec._src.autocast.targets import (
     OpRule,
     class_label,
+    glob_tokens,
     parse_spec,
     python_op_names,
     resolve_module,
@@ -329,6 +330,8 @@ def _add_module(
         )
     fp8.check_class_rule(target, rule)
     label = key.strip() if isinstance(key, str) else class_label(target)  # type: ignore[arg-type]
+    if isinstance(target, str):
+        target = canonical_glob(target)
     old = table.get(target)
     if old is not None and old != rule:
         name = class_label(target) if isinstance(target, type) else repr(target)
@@ -338,6 +341,23 @@ def _add_module(
         )
     table[target] = rule
     written.setdefault(target, label)
+
+
+def canonical_glob(glob: str) -> str:
+    """The same glob written so that the policy string reads it back as itself: a ``[`` that
+    no ``]`` closes (a literal) as ``[[]``, and a comma, semicolon or newline outside a
+    character class (entry separators) inside one of its own.
+
+    Example:
+        >>> canonical_glob("a[b"), canonical_glob("x,y"), canonical_glob("[0,1].fc")
+        ('a[[]b', 'x[,]y', '[0,1].fc')
+
+    Host sync: none.
+    """
+    out = []
+    for _, token in glob_tokens(glob):
+        out.append(f"[{token}]" if token in ("[", ",", ";", "\n") else token)
+    return "".join(out)
 
 
 _INTERNED: dict[Policy, Policy] = {}

@@ -251,23 +251,40 @@ def parse_spec(spec: str) -> tuple[tuple[bool, object, Rule], ...]:
 
 
 def _entries(spec: str) -> list[str]:
-    """Split a policy string at commas, semicolons and newlines outside ``[...]`` (a glob's
-    character class, ``blocks.[0,1].fc``, may hold commas)."""
+    """Split a policy string at commas, semicolons and newlines outside a glob's character
+    classes (``blocks.[0,1].fc`` may hold commas), read as ``fnmatch`` reads them."""
     parts: list[str] = []
-    current: list[str] = []
-    depth = 0
-    for char in spec:
-        if char == "[":
-            depth += 1
-        elif char == "]" and depth:
-            depth -= 1
-        if char in ",;\n" and not depth:
-            parts.append("".join(current))
-            current = []
-        else:
-            current.append(char)
-    parts.append("".join(current))
+    start = 0
+    for i, token in glob_tokens(spec):
+        if token in (",", ";", "\n"):
+            parts.append(spec[start:i])
+            start = i + 1
+    parts.append(spec[start:])
     return parts
+
+
+def glob_tokens(text: str) -> list[tuple[int, str]]:
+    """``(position, token)`` of a glob as ``fnmatch`` reads it: a character class ``[...]``
+    (``!`` or ``]`` first belong to it) is one token; a ``[`` that no ``]`` closes is a
+    literal character.
+
+    Example:
+        >>> [t for _, t in glob_tokens("a[!]b],[c")]
+        ['a', '[!]b]', ',', '[', 'c']
+
+    Host sync: none.
+    """
+    tokens, i, n = [], 0, len(text)
+    while i < n:
+        j = i + 1
+        if text[i] == "[":
+            j += text[j : j + 1] == "!"
+            j += text[j : j + 1] == "]"
+            close = text.find("]", j)
+            j = i + 1 if close < 0 else close + 1
+        tokens.append((i, text[i:j]))
+        i = j
+    return tokens
 
 
 def class_label(cls: type) -> str:

@@ -111,7 +111,12 @@ def multiplier(q: Quantized, cast: Cast) -> torch.Tensor:
 
 
 def cast_stats(
-    src: torch.Tensor, q: Quantized, cast: Cast, count_nonfinite: bool, elements: int
+    src: torch.Tensor,
+    q: Quantized,
+    cast: Cast,
+    count_nonfinite: bool,
+    elements: int,
+    source: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """One row of :data:`~.stats.STAT_COLUMNS` for one cast, on the device in its widest float.
 
@@ -122,7 +127,9 @@ def cast_stats(
     elements (padding excluded), ``blocks`` the scales; ``block_saturated`` and
     ``block_underflow`` the blocks whose scale hit the top or the bottom of its format.
     ``scale`` is the smallest multiplier, ``scale_max`` the largest among blocks holding
-    non-zero finite values.
+    non-zero finite values. The counts cover the user's tensor: the first ``elements`` of the
+    rows (rows padded to the blocks are not counted) and, for ``nonfinite``, ``source``, the
+    tensor before a Hadamard transform (which spreads one inf over its block).
 
     Example:
         >>> x = torch.tensor([[1e-9, 1.0, 0.0]])
@@ -137,9 +144,11 @@ def cast_stats(
     br, bc = q.block
     x4 = src.reshape(rows // br, br, cols // bc, bc)
     mag = widen(q.codes).reshape(x4.shape).abs()
-    saturated = (mag == fmt_max(cast.dtype)).sum()
-    flushed = ((mag == 0) & (x4 != 0) & torch.isfinite(q.amax)).sum()
-    nonfinite = (~torch.isfinite(src)).sum() if count_nonfinite else torch.zeros_like(saturated)
+    real = elements // cols  # the user's rows; the rest pads them to the blocks
+    saturated = (mag == fmt_max(cast.dtype)).reshape(rows, cols)[:real].sum()
+    flushed = ((mag == 0) & (x4 != 0) & torch.isfinite(q.amax)).reshape(rows, cols)[:real].sum()
+    user = (src if source is None else source)[:real]
+    nonfinite = (~torch.isfinite(user)).sum() if count_nonfinite else torch.zeros_like(saturated)
     high, low = clamped(q.amax, cast)
     mult = multiplier(q, cast)
     live = (q.amax > 0) & torch.isfinite(q.amax)

@@ -92,7 +92,7 @@ def _cast(
     q, src = quantize(x, cast, dim)
     if record and plan.slot is not None:
         real = x.numel() if elements is None else elements
-        plan.slot.add(operand, cast_stats(src, q, cast, first, real))
+        plan.slot.add(operand, cast_stats(src, q, cast, first, real, x))
     return q
 
 

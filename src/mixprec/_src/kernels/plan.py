@@ -162,17 +162,6 @@ def plan_grads(optimizer: torch.optim.Optimizer) -> GradPlan:
     return plan
 
 
-def clear_plan_cache(optimizer: torch.optim.Optimizer | None = None) -> None:
-    """Forget the cached plan of ``optimizer`` (of every optimizer when None).
-
-    Host sync: none.
-    """
-    if optimizer is None:
-        _CACHE.clear()
-    else:
-        _CACHE.pop(id(optimizer), None)
-
-
 class _CachedPlan:
     """A plan whose every group is flat, with the key that says it still applies; the entry
     goes when its optimizer does (a weak reference's callback)."""

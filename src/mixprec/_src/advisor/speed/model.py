@@ -16,14 +16,30 @@ more read. Block scales (16, 32, 128 elements) are local to a tile and cost no e
 is the traffic of fused cast kernels (TransformerEngine's, or torchao's under torch.compile);
 eager casts move more. Everything else in a step (attention, norms, the optimizer) is outside
 the model, except the matmuls the advisor counts in its reference pass (see ``Step``).
+
+The speed model applied to measured modules: their GEMM shapes and each option's time.
+
+The shapes come from the float32 reference pass: an ``nn.Linear`` that returned ``(..., N)``
+ran ``M = numel / N`` rows of ``K = in_features``; a convolution is its implicit GEMM (rows: the
+batch times the output positions; ``K``: input channels per group times the kernel size). A
+module whose input needed no gradient runs no input-gradient GEMM. Other modules have no
+predicted time. The rest of the step's matmuls (attention's, a functional ``F.linear``) are
+counted with torch's ``FlopCounterMode`` during the reference pass and timed in 16-bit.
 """
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+import math
+from collections.abc import Iterator, Sequence
+from contextlib import contextmanager
 from dataclasses import dataclass
+from typing import Any
 
-from mixprec._src.advisor.gpus import GPU, KERNEL_FLOOR_S
+import torch
+import torch.utils.flop_counter as flop_counter
+from torch import nn
+
+from mixprec._src.advisor.speed.gpus import GPU, KERNEL_FLOOR_S
 
 ROW = 0  #: ``Format.block`` for one scale per row of the contraction (axis-wise, "rowwise")
 
@@ -136,6 +152,36 @@ class Time:
         )
 
 
+@dataclass(frozen=True)
+class StepTime:
+    """The predicted time of a training step's matmuls on a GPU.
+
+    Attributes:
+        gpu: the GPU's name.
+        baseline: seconds with every measured module in the region's 16-bit dtype (bf16).
+        proposal: seconds with the proposal.
+        gemms: of ``proposal``, the measured modules' GEMMs.
+        casts: of ``proposal``, their casts (fp8 operands, the inputs of fp32 islands).
+        other: the step's other matmuls (attention, functional matmuls) in 16-bit, in both;
+            elementwise ops, norms, the optimizer and communication are not modelled.
+        left_out: the measured modules without a predicted time (no GEMM the model knows),
+            in neither sum.
+    """
+
+    gpu: str
+    baseline: float
+    proposal: float
+    gemms: float
+    casts: float
+    other: float
+    left_out: tuple[str, ...] = ()
+
+    @property
+    def speedup(self) -> float:
+        """``baseline / proposal``. Host sync: none."""
+        return self.baseline / self.proposal if self.proposal > 0 else 1.0
+
+
 ZERO = Time(0.0, 0.0, 0.0, 0.0)
 
 
@@ -183,22 +229,28 @@ def _upcast_s(gpu: GPU, numel: int) -> float:
     return max(6.0 * numel / gpu.memory_rate, KERNEL_FLOOR_S)
 
 
-def module_time(gpu: GPU, shapes: Sequence[Shape], ops: Operands) -> Time | None:
-    """A module's predicted time over its calls, None if ``gpu`` cannot run ``ops``."""
-    low, high = ops.capability
-    if not low <= gpu.capability < high:
+def module_time(
+    gpu: GPU, shapes: Sequence[Shape], ops: Operands, input_grad: bool = True
+) -> Time | None:
+    """A module's predicted time over its calls, None if ``gpu`` cannot run ``ops``. Without
+    ``input_grad`` (no input of the module needs a gradient) the input-gradient GEMM does not
+    run, and neither do the casts of its operands."""
+    if not runs(gpu, ops):
         return None
     total = ZERO
     for s in shapes:
         m, k, n = s.m, s.k, s.n
         fwd = gemm_s(gpu, m, k, n, ops.x, ops.w)
-        gi = gemm_s(gpu, m, n, k, ops.dy_gi, ops.w_gi)
+        gi = gemm_s(gpu, m, n, k, ops.dy_gi, ops.w_gi) if input_grad else 0.0
         gw = gemm_s(gpu, k, m, n, ops.x_gw, ops.dy_gw)
         if fwd is None or gi is None or gw is None:
             return None
+        w_copies, dy_copies = [(ops.w, False)], [(ops.dy_gw, True)]
+        if input_grad:
+            w_copies.append((ops.w_gi, True))
+            dy_copies.insert(0, (ops.dy_gi, False))
         casts = cast_s(gpu, m, k, [(ops.x, False), (ops.x_gw, True)])
-        casts += cast_s(gpu, n, k, [(ops.w, False), (ops.w_gi, True)])
-        casts += cast_s(gpu, m, n, [(ops.dy_gi, False), (ops.dy_gw, True)])
+        casts += cast_s(gpu, n, k, w_copies) + cast_s(gpu, m, n, dy_copies)
         if ops.x.kind == "fp32":
             casts += _upcast_s(gpu, m * k)
         g = s.groups
@@ -206,8 +258,117 @@ def module_time(gpu: GPU, shapes: Sequence[Shape], ops: Operands) -> Time | None
     return total
 
 
-def matmul_s(gpu: GPU, flops: float) -> float:
-    """Seconds of ``flops`` of other matmuls (attention) in 16-bit, at the compute rate."""
+def runs(gpu: GPU, ops: Operands) -> bool:
+    """Whether ``gpu`` runs ``ops``'s matmuls in hardware (its compute capability is in the
+    recipe's range). Host sync: none."""
+    low, high = ops.capability
+    return low <= gpu.capability < high
+
+
+@dataclass(frozen=True)
+class Gemms:
+    """A module's GEMMs in one step, as the reference pass saw them: one shape per call, and
+    whether an input needed a gradient (else no input-gradient GEMM runs)."""
+
+    calls: tuple[Shape, ...]
+    input_grad: bool
+
+
+def gemm_shapes(
+    module: nn.Module, outputs_per_call: Sequence[Sequence[torch.Tensor]], input_grad: bool
+) -> Gemms | None:
+    """The module's GEMMs from its floating outputs in each call, None without a GEMM."""
+    shapes = []
+    for outputs in outputs_per_call:
+        if not outputs:
+            return None
+        shape = _shape(module, outputs[0])
+        if shape is None:
+            return None
+        shapes.append(shape)
+    return Gemms(tuple(shapes), input_grad) if shapes else None
+
+
+def _shape(module: nn.Module, out: torch.Tensor) -> Shape | None:
+    if isinstance(module, nn.Linear):
+        n = module.out_features
+        return Shape(out.numel() // max(n, 1), module.in_features, n)
+    if isinstance(module, nn.modules.conv._ConvNd):
+        groups = module.groups
+        batched = out.dim() > len(module.kernel_size) + 1
+        rows = out.numel() // max(out.shape[1 if batched else 0], 1)
+        k = module.in_channels // groups * math.prod(module.kernel_size)
+        return Shape(rows, k, module.out_channels // groups, groups)
+    return None
+
+
+def predict(gpu: GPU, gemms: Gemms | None, ops: Operands) -> Time | None:
+    """The module's time with ``ops``; None without a GEMM or when ``gpu`` cannot run it."""
+    if gemms is None:
+        return None
+    return module_time(gpu, gemms.calls, ops, gemms.input_grad)
+
+
+def step_time(
+    gpu: GPU, rows: Sequence[tuple[str, Time | None, Time | None]], other_flops: float
+) -> StepTime:
+    """Sum the modules' times, each row ``(name, in bf16, in the proposal)``; a module without
+    a predicted time adds nothing, and the step says it left it out."""
+    base = sum(b.total for _, b, _ in rows if b is not None)
+    gemms = sum(c.gemms for _, _, c in rows if c is not None)
+    casts = sum(c.casts for _, _, c in rows if c is not None)
     rate = gpu.rate("bf16")
     assert rate is not None
-    return flops / rate
+    other = other_flops / rate
+    left_out = tuple(name for name, b, c in rows if b is None or c is None)
+    return StepTime(gpu.name, base + other, gemms + casts + other, gemms, casts, other, left_out)
+
+
+def _sdpa(q: Any, k: Any, v: Any, *args: Any, out_val: Any = None, **kwargs: Any) -> int:
+    return int(flop_counter.sdpa_flop_count(q.shape, k.shape, v.shape))
+
+
+def _sdpa_backward(
+    g: Any, q: Any, k: Any, v: Any, *args: Any, out_val: Any = None, **kwargs: Any
+) -> int:
+    return int(flop_counter.sdpa_backward_flop_count(g.shape, q.shape, k.shape, v.shape))
+
+
+def _cpu_attention() -> dict[Any, Any]:
+    """torch's counter has no formula for the CPU flash-attention kernels: they are given the
+    formulas of the other attention kernels."""
+    aten = torch.ops.aten
+    found = {}
+    for name, fn in (("", _sdpa), ("_backward", _sdpa_backward)):
+        op = getattr(aten, f"_scaled_dot_product_flash_attention_for_cpu{name}", None)
+        if op is not None:
+            setattr(fn, "_get_raw", True)  # noqa: B010 (torch reads this flag)
+            found[op] = fn
+    return found
+
+
+class FlopCount:
+    """The matmul FLOP of a pass (forward and backward), read after it. Host sync: none."""
+
+    def __init__(self) -> None:
+        self.total = 0
+
+
+@contextmanager
+def counting(count: FlopCount | None) -> Iterator[None]:
+    """Count the matmul FLOP of what runs inside into ``count`` (nothing if None)."""
+    if count is None:
+        yield
+        return
+    mode = flop_counter.FlopCounterMode(display=False, custom_mapping=_cpu_attention())
+    with mode:
+        yield
+    count.total += int(mode.get_total_flops())
+
+
+def counted_flops(gemms: Gemms | None) -> float:
+    """The FLOP the counter saw for a measured module's GEMMs in the reference pass."""
+    if gemms is None:
+        return 0.0
+    per_call = 3 if gemms.input_grad else 2
+    return float(sum(2 * s.m * s.k * s.n * s.groups * per_call for s in gemms.calls))

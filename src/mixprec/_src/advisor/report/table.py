@@ -10,15 +10,16 @@ from typing import TYPE_CHECKING
 from mixprec._src.autocast.rules import format_dtype
 
 if TYPE_CHECKING:
-    from mixprec._src.advisor.report import Advice, ModuleAdvice
-    from mixprec._src.advisor.speed import Time
+    from mixprec._src.advisor.report.advice import Advice, ModuleAdvice
+    from mixprec._src.advisor.speed.model import StepTime, Time
 
 _OPERANDS = (("in", "input"), ("w", "weight"), ("go", "grad_output"))
 
 
 def fmt_db(value: float | None) -> str:
-    """An SQNR for a table cell: one decimal, ``inf``, ``-inf`` (inf/NaN) or ``-``."""
-    if value is None:
+    """An SQNR for a table cell: one decimal, ``inf``, ``-inf`` (inf/NaN) or ``-`` (none, or
+    not measured)."""
+    if value is None or math.isnan(value):
         return "-"
     if math.isinf(value):
         return "inf" if value > 0 else "-inf"
@@ -28,6 +29,14 @@ def fmt_db(value: float | None) -> str:
 def fmt_us(time: Time | None) -> str:
     """A predicted time in µs for a table cell (``-``: none)."""
     return "-" if time is None else f"{time.total * 1e6:.3g}"
+
+
+def _option_us(m: ModuleAdvice, time: Time | None) -> str:
+    """A candidate's µs: blank for a module without a GEMM, ``-`` where the GPU has no kernel
+    for the recipe."""
+    if time is not None:
+        return fmt_us(time)
+    return "" if m.kept_time is None else "-"
 
 
 def _pct(value: float) -> str:
@@ -45,8 +54,7 @@ def _groups(advice: Advice) -> list[tuple[str, list[str]]]:
     groups += [(word, list(per)) for word in advice.candidates]
     if _has_fp16(advice):
         groups.append(("fp16 range", [">max", "flush@1", "flush@scale"]))
-    if _fp8_words(advice):
-        groups.append(("fp8 casts", ["sat", "flush"]))
+    groups += [(f"{word} casts", ["sat", "flush"]) for word in _fp8_words(advice)]
     last = ["decision"] + (["µs"] if _timed(advice) else []) + ["why"]
     return [*groups, ("proposal", last)]
 
@@ -62,21 +70,22 @@ def _has_stats(m: ModuleAdvice, word: str) -> bool:
 
 
 def _fp8_cells(advice: Advice, m: ModuleAdvice) -> list[str]:
-    """The largest saturated and flushed fractions over the module's operands and fp8
-    candidates, with the operand (in, w, go: input, weight, grad_output)."""
-    if not any(_has_stats(m, w) for w in advice.candidates):
-        return ["", ""]
-    worst = {"saturated": (0.0, ""), "flushed": (0.0, "")}
+    """Per recipe candidate, the largest saturated and flushed fractions over the module's
+    operands, with the operand (in, w, go: input, weight, grad_output)."""
+    cells = []
     for word in _fp8_words(advice):
         x = m.measurement(word)
         if x is None or x.fp8 is None:
+            cells += ["", ""]
             continue
+        worst = {"saturated": (0.0, ""), "flushed": (0.0, "")}
         for short, operand in _OPERANDS:
             stats = getattr(x.fp8, operand)
             for key in worst:
                 if getattr(stats, key) > worst[key][0]:
                     worst[key] = (getattr(stats, key), short)
-    return [f"{_pct(v)} {op}".strip() for v, op in worst.values()]
+        cells += [f"{_pct(v)} {op}".strip() for v, op in worst.values()]
+    return cells
 
 
 def _has_fp16(advice: Advice) -> bool:
@@ -96,7 +105,7 @@ def _row(advice: Advice, m: ModuleAdvice) -> list[str]:
             fmt_db(x.output_sqnr),
             fmt_db(x.input_grad_sqnr),
             fmt_db(x.weight_grad_sqnr),
-        ] + ([fmt_us(x.time)] if _timed(advice) else [])
+        ] + ([_option_us(m, x.time)] if _timed(advice) else [])
     if _has_fp16(advice):
         f = m.fp16
         cells += (
@@ -104,8 +113,7 @@ def _row(advice: Advice, m: ModuleAdvice) -> list[str]:
             if f is None
             else [str(f.output_overflow), _pct(f.flushed_unscaled), _pct(f.flushed_scaled)]
         )
-    if _fp8_words(advice):
-        cells += _fp8_cells(advice, m)
+    cells += _fp8_cells(advice, m)
     decision = m.choice if m.served else "-"
     return [*cells, decision, *([fmt_us(m.time)] if _timed(advice) else []), m.reason]
 
@@ -142,7 +150,7 @@ def render(advice: Advice) -> str:
     lines = [
         f"mixprec advise: {len(advice.modules)} modules, candidates "
         f"{', '.join(advice.candidates)}, region {format_dtype(advice.dtype)}, "
-        f"{advice.mode} mode ({advice.passes} passes){speed}",
+        f"{advice.passes} passes{speed}",
         "SQNR (signal-to-quantization-noise ratio) against float32, in dB: higher is better "
         "(one tensor rounded to bf16: about 47; to fp8: 21-29)",
         "",
@@ -178,7 +186,8 @@ def _legend_lines(advice: Advice) -> list[str]:
     if _timed(advice) and advice.step is not None:
         lines.append(
             f"µs: predicted time per step on {advice.step.gpu} (the module's three GEMMs "
-            "and its casts)"
+            "and its casts; '-': the GPU has no kernel for that recipe: measured emulated, "
+            "never chosen; blank: no GEMM to time)"
         )
     if _has_fp16(advice):
         lines.append(
@@ -187,9 +196,9 @@ def _legend_lines(advice: Advice) -> list[str]:
         )
     if _fp8_words(advice):
         lines.append(
-            "fp8 casts: the largest fraction of values at the format's maximum (sat) and of "
-            "non-zero values flushed to 0 (flush), with the operand: in input, w weight, go "
-            "output gradient"
+            "<recipe> casts: with that candidate, the largest fraction of values at the "
+            "format's maximum (sat) and of non-zero values flushed to 0 (flush), with the "
+            "operand: in input, w weight, go output gradient"
         )
     return lines
 
@@ -202,7 +211,7 @@ def _policy_text(advice: Advice) -> str:
 def _prediction(advice: Advice) -> str:
     target = []
     if advice.min_sqnr is not None:
-        target.append(f">= {advice.min_sqnr:g} dB")
+        target.append(f">= {fmt_db(advice.min_sqnr)} dB")
     if advice.keep_at_most is not None:
         target.append(f"at most {advice.keep_at_most} kept")
     status = (
@@ -225,6 +234,8 @@ def between(region_sqnr: float) -> str:
     """
     if math.isinf(region_sqnr) and region_sqnr > 0:
         return "the ops between the measured modules add no measurable error"
+    if math.isnan(region_sqnr):
+        return "the ops between the measured modules: not measured"
     return f"the ops between the measured modules, every module in fp32: {fmt_db(region_sqnr)} dB"
 
 
@@ -257,7 +268,8 @@ def _speed(advice: Advice) -> list[str]:
         f"{'speed' if advice.objective == 'speed' else 'fewest kept'})",
         f"time goes:   measured modules' GEMMs {_us(step.gemms)}, their casts "
         f"{_us(step.casts)}, other matmuls (attention) {_us(step.other)}",
-        "             (elementwise ops, norms, the optimizer, communication: not modelled)",
+        f"             (not modelled: {_left_out(step)}elementwise ops, norms, the "
+        "optimizer, communication)",
     ]
     top = sorted((m for m in advice.modules if m.time is not None), key=_total, reverse=True)
     if top:
@@ -266,6 +278,13 @@ def _speed(advice: Advice) -> list[str]:
             + ", ".join(f"{m.name}: {fmt_us(m.time)} µs ({m.choice})" for m in top[:3])
         )
     return lines
+
+
+def _left_out(step: StepTime) -> str:
+    if not step.left_out:
+        return ""
+    names = ", ".join(step.left_out[:4]) + (", ..." if len(step.left_out) > 4 else "")
+    return f"{len(step.left_out)} measured modules without a GEMM ({names}), "
 
 
 def _us(seconds: float) -> str:

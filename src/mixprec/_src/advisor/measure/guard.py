@@ -17,12 +17,8 @@ from typing import Any
 import torch
 from torch import nn
 
+from mixprec._src.autocast.modules import module_records, restore_module_records
 from mixprec.errors import ConfigError
-
-# mixprec.autocast keeps its per-module records in instance attributes with this prefix
-# (see mixprec._src.autocast.modules); records the advisor's regions created are removed.
-_MIXPREC_ATTR_PREFIX = "_mixprec_"
-_RULE_ATTR = "_mixprec_rule"
 
 
 class Guard:
@@ -39,7 +35,7 @@ class Guard:
         self._buffers: list[tuple[nn.Module, str, torch.Tensor, torch.Tensor]] = []
         self._versions: list[int] = []
         self._rng: tuple[Any, ...] = ()
-        self._attrs: dict[int, dict[str, Any]] = {}
+        self._records: dict[int, dict[str, Any]] = {}
         self._modes: list[tuple[nn.Module, bool]] = []
 
     def __enter__(self) -> Guard:
@@ -52,10 +48,7 @@ class Guard:
                 self._buffers.append((mod, name, buf, buf.detach().clone()))
         self._rng = _rng_state(self.device)
         self._modes = [(m, m.training) for m in self.model.modules()]
-        self._attrs = {
-            id(m): {k: v for k, v in m.__dict__.items() if k.startswith(_MIXPREC_ATTR_PREFIX)}
-            for m in self.model.modules()
-        }
+        self._records = module_records(self.model)
         return self
 
     def reset(self) -> None:
@@ -108,19 +101,7 @@ class Guard:
         self._restore_buffers()
         self._restore_modes()
         _set_rng_state(self.device, self._rng)
-        for mod in self.model.modules():
-            _restore_mixprec_attrs(mod, self._attrs.get(id(mod), {}))
-
-
-def _restore_mixprec_attrs(mod: nn.Module, before: dict[str, Any]) -> None:
-    for key in [k for k in mod.__dict__ if k.startswith(_MIXPREC_ATTR_PREFIX)]:
-        if key in before:
-            continue
-        value = mod.__dict__.pop(key)
-        if key == _RULE_ATTR:
-            for handle in getattr(value, "handles", ()):
-                handle.remove()
-    mod.__dict__.update(before)
+        restore_module_records(self.model, self._records)
 
 
 def _device_rng(device: torch.device) -> Any:

@@ -14,7 +14,7 @@ from typing import TYPE_CHECKING, Any
 from mixprec._src.deps import require
 
 if TYPE_CHECKING:
-    from mixprec._src.advisor.report import Advice
+    from mixprec._src.advisor.report.advice import Advice
 
 _COLORS = ("tab:orange", "tab:blue", "tab:green", "tab:purple", "tab:brown")
 

@@ -8,9 +8,11 @@ one equal to the reference has zero noise (SQNR ``inf``).
 from __future__ import annotations
 
 import math
-from collections.abc import Iterable
+from collections.abc import Iterable, Sequence
 
 import torch
+
+from mixprec._src.advisor.report.advice import Fp16Range
 
 #: The largest finite float16 value.
 FP16_MAX = 65504.0
@@ -96,3 +98,27 @@ def fp16_flushed(t: torch.Tensor, scale: float = 1.0) -> tuple[int, int]:
     nonzero = scaled != 0
     flushed = nonzero & (scaled.to(torch.float16) == 0)
     return int(flushed.sum()), int(nonzero.sum())
+
+
+def fp16_range(
+    outputs: Sequence[torch.Tensor], grads: Sequence[torch.Tensor | None], scale: float
+) -> Fp16Range:
+    """How a module's reference ``outputs`` and gradients (of its parameters, output and
+    inputs) fit float16, unscaled and at the loss ``scale``. Host sync: several."""
+    present = [g for g in grads if g is not None and g.numel()]
+    flushed = [0, 0, 0]  # unscaled, scaled, non-zero
+    overflow = 0
+    for g in present:
+        a, n = fp16_flushed(g)
+        b, _ = fp16_flushed(g, scale)
+        flushed[0], flushed[1], flushed[2] = flushed[0] + a, flushed[1] + b, flushed[2] + n
+        overflow += fp16_overflows(g, scale)
+    nonzero = max(flushed[2], 1)
+    return Fp16Range(
+        output_overflow=sum(fp16_overflows(o) for o in outputs),
+        output_max=max((float(o.abs().max()) for o in outputs if o.numel()), default=0.0),
+        grad_max=max((float(g.abs().max()) for g in present), default=0.0),
+        flushed_unscaled=flushed[0] / nonzero,
+        flushed_scaled=flushed[1] / nonzero,
+        grad_overflow_scaled=overflow,
+    )

@@ -10,7 +10,7 @@ from typing import Any
 
 import torch
 
-from mixprec._src.advisor.speed import Time
+from mixprec._src.advisor.speed.model import StepTime, Time
 from mixprec._src.autocast.policy import Policy
 from mixprec._src.autocast.rules import format_dtype
 from mixprec._src.fp8.stats import Fp8ModuleStats
@@ -158,33 +158,6 @@ class Cheapest:
 
 
 @dataclass(frozen=True)
-class StepTime:
-    """The predicted time of a training step's matmuls on a GPU.
-
-    Attributes:
-        gpu: the GPU's name.
-        baseline: seconds with every measured module in the region's 16-bit dtype (bf16).
-        proposal: seconds with the proposal.
-        gemms: of ``proposal``, the measured modules' GEMMs.
-        casts: of ``proposal``, their casts (fp8 operands, the inputs of fp32 islands).
-        other: the step's other matmuls (attention, functional matmuls) in 16-bit, in both;
-            elementwise ops, norms, the optimizer and communication are not modelled.
-    """
-
-    gpu: str
-    baseline: float
-    proposal: float
-    gemms: float
-    casts: float
-    other: float
-
-    @property
-    def speedup(self) -> float:
-        """``baseline / proposal``. Host sync: none."""
-        return self.baseline / self.proposal if self.proposal > 0 else 1.0
-
-
-@dataclass(frozen=True)
 class Advice:
     """What :func:`mixprec.advise` measured and proposes.
 
@@ -209,7 +182,6 @@ class Advice:
         measured_sqnr: the SQNR measured with the proposal applied (``check=True``), else None.
         cheapest: every module in its cheapest finite candidate, predicted and measured: how
             far the additive prediction is off on this model (:class:`Cheapest`).
-        mode: ``"exact"`` or ``"estimate"``.
         passes: forward+backward passes over the batches that the advice took.
         notes: anything else worth knowing (modules that did not run, an unmet target).
         gpu: the GPU the speed model predicted for (``"h100"``, ...), or None.
@@ -232,7 +204,6 @@ class Advice:
     region_sqnr: float
     measured_sqnr: float | None
     cheapest: Cheapest | None
-    mode: str
     passes: int
     notes: tuple[str, ...] = field(default=())
     gpu: str | None = None
@@ -250,7 +221,7 @@ class Advice:
 
         Host sync: none.
         """
-        from mixprec._src.advisor.table import render
+        from mixprec._src.advisor.report.table import render
 
         return render(self)
 
@@ -275,7 +246,6 @@ class Advice:
                 "region_sqnr": self.region_sqnr,
                 "measured_sqnr": self.measured_sqnr,
                 "cheapest": None if self.cheapest is None else _cheapest_dict(self.cheapest),
-                "mode": self.mode,
                 "passes": self.passes,
                 "notes": list(self.notes),
                 "gpu": self.gpu,
@@ -307,7 +277,7 @@ class Advice:
 
         Host sync: none.
         """
-        from mixprec._src.advisor.plot import draw
+        from mixprec._src.advisor.report.plot import draw
 
         return draw(self, path, ax)
 

@@ -15,7 +15,9 @@ from __future__ import annotations
 
 import torch
 
-from mixprec._src.advisor.speed import BF16, FP32, ROW, Format, Operands
+from mixprec._src.advisor.arguments import Candidate
+from mixprec._src.advisor.speed.gpus import GPU
+from mixprec._src.advisor.speed.model import BF16, FP32, ROW, Format, Operands, runs
 from mixprec._src.fp8.recipes import RECIPES, Cast
 
 #: Scales stored in one byte (E8M0; E4M3 under an fp32 tensor scale); the others are fp32.
@@ -49,3 +51,35 @@ def recipe_operands(name: str, high: Format = BF16) -> Operands | None:
         return None
     x, w, dy_gi, w_gi, dy_gw, x_gw = (cast_format(c, high) for c in recipe.casts)
     return Operands(x, w, dy_gi, w_gi, dy_gw, x_gw, recipe.capability)
+
+
+def operands(cand: Candidate | None, region: torch.dtype, kept_word: str = "fp32") -> Operands:
+    """The operand formats of a candidate, or (``cand`` None) of the kept precision
+    (``kept_word``: ``"fp32"`` or the region's dtype word)."""
+    high = dtype_format(region)
+    if cand is None:
+        return Operands.uniform(dtype_format(torch.float32) if kept_word == "fp32" else high)
+    if cand.recipe is not None:
+        found = recipe_operands(cand.recipe, high)
+        assert found is not None  # a candidate's recipe is in the registry
+        return found
+    assert cand.dtype is not None
+    return Operands.uniform(dtype_format(cand.dtype))
+
+
+def runs_on(gpu: GPU, cand: Candidate) -> bool:
+    """Whether ``gpu`` runs ``cand``'s matmuls in hardware (16-bit: always). Host sync: none."""
+    return cand.recipe is None or runs(gpu, operands(cand, torch.bfloat16))
+
+
+def no_kernel(gpu: GPU, cands: list[Candidate]) -> str:
+    """Why none of the recipe candidates ``cands`` is an option on ``gpu``."""
+    words = [c.word for c in cands]
+    lows = ", ".join(
+        sorted({"{}.{}".format(*RECIPES[c.recipe].capability[0]) for c in cands if c.recipe})
+    )
+    cap = f"{gpu.capability[0]}.{gpu.capability[1]}"
+    return (
+        f"{gpu.name} has no kernel for {', '.join(words)} (compute capability {cap}; "
+        f"{'they run' if len(words) > 1 else 'it runs'} in hardware from {lows})"
+    )

@@ -1,0 +1,1 @@
+"""Choosing: one search for advise and Watch, the options it chooses among, the policy it writes."""

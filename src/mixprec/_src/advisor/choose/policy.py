@@ -1,0 +1,71 @@
+"""The policy that says what the search chose: class rules with exceptions, or name rules."""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+from torch import nn
+
+from mixprec._src.autocast.policy import Policy
+from mixprec.errors import ConfigError
+
+
+def build_policy(
+    model: nn.Module, choices: dict[str, str], region_word: str, measured: Sequence[str]
+) -> Policy:
+    """The policy for ``choices`` (module name -> rule word) in a region of ``region_word``.
+
+    Modules in the region's own dtype need no rule. When every module of a torch.nn class in the
+    model is measured and most of them share a rule, one class rule plus exceptions is written
+    (``nn.Linear=fp8, lm_head=bf16``); otherwise one name rule per module.
+    """
+    rules: dict[object, str] = {}
+    named = dict(model.named_modules())
+    handled: set[str] = set()
+    measured_set = set(measured)
+    for cls in _nn_classes([named[n] for n in measured]):
+        members = [n for n, m in named.items() if isinstance(m, cls) and n]
+        if not members or not set(members) <= measured_set:
+            continue
+        words = [choices[n] for n in members]
+        common = max(sorted(set(words)), key=words.count)
+        exceptions = [n for n in members if choices[n] != common]
+        plain = sum(w != region_word for w in words)
+        if common == region_word or words.count(common) < 2 or 1 + len(exceptions) >= plain:
+            continue
+        rules[cls] = common
+        rules.update({_exact(n): choices[n] for n in exceptions})
+        handled |= set(members)
+    for n in measured:
+        if n not in handled and choices[n] != region_word:
+            rules[_exact(n)] = choices[n]
+    return _round_tripped(rules)
+
+
+def _exact(name: str) -> str:
+    """A name glob that matches exactly ``name`` (glob characters in it are escaped)."""
+    return "".join(f"[{ch}]" if ch in "*?[" else ch for ch in name)
+
+
+def _nn_classes(modules: Sequence[nn.Module]) -> list[type[nn.Module]]:
+    seen: list[type[nn.Module]] = []
+    for m in modules:
+        cls = type(m)
+        if getattr(nn, cls.__name__, None) is cls and cls not in seen:
+            seen.append(cls)
+    return seen
+
+
+def _round_tripped(rules: dict[object, str]) -> Policy:
+    policy = Policy(modules=rules)
+    try:
+        same = Policy(str(policy)) == policy
+    except ConfigError:
+        same = False
+    if not same:
+        raise ConfigError(
+            f"the proposed policy {str(policy)!r} does not survive its string form: a module "
+            "name contains a character the policy syntax uses (',', ';' or a line break); "
+            "rename the module, or leave it out with modules=[...]"
+        )
+    return policy

@@ -1,0 +1,1 @@
+"""Measuring: the guard around the model, the passes and their hooks, the error figures."""

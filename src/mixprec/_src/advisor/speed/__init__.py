@@ -1,0 +1,1 @@
+"""Speed: the GPUs, each candidate's operand formats, the GEMM shapes, the predicted times."""
