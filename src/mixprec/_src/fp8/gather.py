@@ -244,7 +244,7 @@ class LowPrecisionGather:
         flat, layout = _pack(parts)
         world = self.weights[0].world
         everyone = flat.new_empty(world * flat.numel())
-        dist.all_gather_into_tensor(everyone, flat, group=self.weights[0].pg)
+        _all_gather(everyone, flat, group=self.weights[0].pg)
         self.collectives += 1
         self.scale_bytes += flat.numel()
         ranks = [_unpack(row, layout, parts) for row in everyone.view(world, -1)]
@@ -267,6 +267,12 @@ class LowPrecisionGather:
             f"LowPrecisionGather({len(self.weights)} weights, collectives={self.collectives}, "
             f"gather_bytes={self.gather_bytes}, scale_bytes={self.scale_bytes})"
         )
+
+
+def _all_gather(out: torch.Tensor, inp: torch.Tensor, group: Any) -> None:
+    """``all_gather_single`` (torch >= 2.13; ``all_gather_into_tensor`` before)."""
+    gather = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
+    gather(out, inp, group=group)
 
 
 def _pack(parts: list[list[torch.Tensor]]) -> tuple[torch.Tensor, list[tuple[int, int]]]:
