@@ -45,10 +45,10 @@ def policy_for(recipe: str) -> mixprec.Policy:
     return mixprec.Policy(modules={"0": word(recipe), "2": word(recipe), "4": "bf16"})
 
 
-def shard(model: nn.Module, reshard: bool) -> nn.Module:
+def shard(model: nn.Module, reshard: bool, dtype: torch.dtype = torch.bfloat16) -> nn.Module:
     from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 
-    mp = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
+    mp = MixedPrecisionPolicy(param_dtype=dtype, reduce_dtype=torch.float32)
     for i in (0, 2, 4):
         fully_shard(model[i], mp_policy=mp, reshard_after_forward=reshard)
     fully_shard(model, mp_policy=mp, reshard_after_forward=reshard)
@@ -73,31 +73,47 @@ def train(
     accumulate: int = 1,
     checkpoint: bool = False,
     steps: int = STEPS,
+    compiled: bool = False,
+    scaler: bool = False,
 ) -> dict[str, Any]:
-    """Train the sharded model a few steps; losses, gradients and parameters of every step."""
+    """Train the sharded model a few steps; losses, gradients and parameters of every step.
+    With ``scaler``: fp16 parameters and autocast, a GradScaler, an inf on rank 1 at step 1."""
     rank = dist.get_rank()
-    model = shard(make_model(rows), reshard)
+    dtype = torch.float16 if scaler else torch.bfloat16
+    model = shard(make_model(rows), reshard, dtype)
     policy = policy_for(recipe)
     handle = gather_low_precision(model, policy, recompute=checkpoint) if low else None
     opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
-    losses, grads = [], []
+    grad_scaler = mixprec.GradScaler("cpu", init_scale=2.0**10) if scaler else None
+    stats = mixprec.Fp8Stats()
+    run = torch.compile(model) if compiled else model
+    losses, grads, skipped = [], [], []
     for step in range(steps):
         for micro in range(accumulate):
             if accumulate > 1:
                 model.set_requires_gradient_sync(micro == accumulate - 1)
             x, y = batch(rank, step, micro)
-            with mixprec.autocast("cpu", torch.bfloat16, policy=policy):
-                out = forward(model, x, checkpoint)
+            with stats, mixprec.autocast("cpu", dtype, policy=policy):
+                out = forward(run, x, checkpoint)
             loss = (out.float() - y).square().mean()
-            loss.backward()
+            (loss if grad_scaler is None else grad_scaler.scale(loss)).backward()
             losses.append(loss.detach())
+        if grad_scaler is not None and step == 1 and rank == 1:
+            model[0].weight.grad.to_local().view(-1)[0] = float("inf")
         grads.append([full(p.grad) for p in model.parameters()])
-        opt.step()
+        if grad_scaler is None:
+            opt.step()
+        else:
+            grad_scaler.step(opt)
+            grad_scaler.update()
+            skipped.append(grad_scaler.last_step_skipped())
         opt.zero_grad()
     result: dict[str, Any] = {
         "losses": losses,
         "grads": grads,
         "params": [full(p) for p in model.parameters()],
+        "skipped": skipped,
+        "stats_gathered": {k: v.gathered_bytes for k, v in stats.read().items()},
     }
     if handle is not None:
         result.update(
@@ -140,6 +156,13 @@ def scenario_recompute(rank: int) -> dict[str, Any]:
         r: {"plain": train(r, False, **kw), "low": train(r, True, **kw)}
         for r in ("rowwise", "nvfp4")
     }
+
+
+def scenario_scaler(rank: int) -> dict[str, Any]:
+    """fp16 with a GradScaler: an inf on one rank skips the step on both, with the gather too
+    (the weights do not change, so no scale collective either)."""
+    kw: dict[str, Any] = {"scaler": True, "steps": 3}
+    return {r: {"plain": train(r, False, **kw), "low": train(r, True, **kw)} for r in ("mxfp8",)}
 
 
 def _ckpt_model(gather: bool) -> tuple[nn.Module, Any]:

@@ -88,7 +88,7 @@ def worlds(tmp_path_factory: pytest.TempPathFactory) -> dict[int, list[dict[str,
     """A 2-rank world (parity, recomputation, a checkpoint saved), then a 3-rank one (uneven
     shards, the checkpoint loaded at another world size)."""
     outdir = tmp_path_factory.mktemp("gather")
-    two = run_world(outdir, 2, ["parity", "recompute", "ckpt_save"])
+    two = run_world(outdir, 2, ["parity", "recompute", "scaler", "ckpt_save"])
     three = run_world(outdir, 3, ["uneven", "ckpt_load"])
     return {2: two, 3: three}
 
@@ -148,6 +148,22 @@ def test_only_the_phases_copy_travels(worlds: dict[int, list[dict[str, Any]]]) -
 def test_activation_checkpointing(worlds: dict[int, list[dict[str, Any]]], recipe: str) -> None:
     for rank in worlds[2]:
         _assert_bitwise(rank["recompute"][recipe])
+
+
+@pytest.mark.slow
+def test_scaler_skips_together_and_stats_count_the_bytes(
+    worlds: dict[int, list[dict[str, Any]]],
+) -> None:
+    """fp16 + GradScaler, an inf on rank 1 at step 1: both ranks skip it, with the gather as
+    without; the skipped step changed no weight, so no scale collective ran for it."""
+    for rank in worlds[2]:
+        run = rank["scaler"]["mxfp8"]
+        _assert_bitwise(run)
+        assert run["plain"]["skipped"] == run["low"]["skipped"] == [False, True, False]
+        assert run["low"]["collectives"] == 2
+        forward_bytes = 3 * 192 * 128  # three forwards (the stats' context) of 192 x 128 codes
+        assert run["low"]["stats_gathered"] == {"0": forward_bytes, "2": forward_bytes}
+        assert run["plain"]["stats_gathered"] == {"0": 0, "2": 0}
 
 
 @pytest.mark.slow

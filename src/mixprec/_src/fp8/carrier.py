@@ -6,7 +6,8 @@ and parameter dtype, no storage of its own, and the cast copies (:class:`~.casts
 codes and scales) that came over the wire. The recipe's matmul (``matmul.Fp8Linear``) asks
 :func:`gathered` for the copy of the phase it runs (contracting along ``in_features`` in the
 forward, along ``out_features`` for the input gradient) instead of casting the weight again;
-any other op reading the weight sees the forward copy's dequantized values.
+a matmul other than the recipe's (an F.linear the rule did not serve) is refused, and any
+other op reading the weight sees the forward copy's dequantized values.
 
 NVFP4's e2m1 codes travel two to a byte (:func:`pack_e2m1`) and are unpacked here.
 """
@@ -116,6 +117,7 @@ _MATMULS: set[Callable[..., Any]] = {
     torch.ops.aten.bmm.default,
     torch.ops.aten.linear.default,
     torch.ops.aten.matmul.default,
+    torch.ops.aten.t.default,  # F.linear's own decomposition: an unserved call
 }
 
 

@@ -39,6 +39,7 @@ from mixprec._src.fp8.carrier import Gathered, Payload, pack_e2m1, unpack_e2m1
 from mixprec._src.fp8.casts import Quantized, block_shape
 from mixprec._src.fp8.formats import block_scales, e8m0_exponent, encode
 from mixprec._src.fp8.recipes import E2M1, E4M3, Cast, Recipe, get_recipe
+from mixprec._src.fp8.stats import active_stats
 from mixprec.errors import ConfigError
 
 if TYPE_CHECKING:
@@ -168,7 +169,11 @@ class _Weight:
             self.owner.refresh()
         carried = self.carried()
         inputs = tuple(self.codes(i) for i in carried)
-        self.owner.count_gather(sum(t.numel() for t in inputs), self.world)
+        nbytes = sum(t.numel() for t in inputs)
+        self.owner.count_gather(nbytes)
+        stats = active_stats()
+        if stats is not None:
+            stats.slot(self.name, inputs[0].device, self.recipe.name).gathered += nbytes
         return inputs, carried
 
     def post_all_gather(
@@ -226,7 +231,7 @@ class LowPrecisionGather:
         """The ruled Linears, in model order. Host sync: none."""
         return [w.name for w in self.weights]
 
-    def count_gather(self, nbytes: int, world: int) -> None:
+    def count_gather(self, nbytes: int) -> None:
         """Count one weight all-gather of ``nbytes`` from this rank. Host sync: none."""
         self.gathers += 1
         self.gather_bytes += nbytes
