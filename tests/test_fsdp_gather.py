@@ -35,8 +35,11 @@ TIMEOUT_S = 90
 ALL = ("tensorwise", "rowwise", "rowwise_gw_hp", "blockwise", "mxfp8", "nvfp4")
 
 
-def run_world(outdir: Path, world: int, scenarios: list[str]) -> list[dict[str, Any]]:
-    """Run ``scenarios`` in one fresh ``world``-rank world; per rank, each scenario's result."""
+def run_world(
+    outdir: Path, world: int, scenarios: list[str], worker: Path = WORKER
+) -> list[dict[str, Any]]:
+    """Run ``scenarios`` in one fresh ``world``-rank world of ``worker``; per rank, each
+    scenario's result."""
     world_id = uuid.uuid4().hex[:8]
     port_file = outdir / f"port-{world_id}.txt"
     env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONWARNINGS": "ignore"}
@@ -47,7 +50,7 @@ def run_world(outdir: Path, world: int, scenarios: list[str]) -> list[dict[str, 
         for rank in range(world):
             log = open(outdir / f"log-{rank}-{world_id}.txt", "w")  # noqa: SIM115 (closed below)
             logs.append(log)
-            args = [sys.executable, str(WORKER), str(rank), str(world), str(port_file)]
+            args = [sys.executable, str(worker), str(rank), str(world), str(port_file)]
             procs.append(
                 subprocess.Popen(
                     [*args, str(outdir), *scenarios],
