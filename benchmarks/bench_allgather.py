@@ -12,7 +12,9 @@ all-gather its input times ``world - 1`` (each chunk goes to every other rank), 
 reduce-scatter ``(world - 1) / world`` of its input. Rank 0 prints one table: weight all-gather
 bytes per rank per step and their ratio to the bf16 gather, the collectives per step (the scale
 collective included) and the median step time. Run:
-``python benchmarks/bench_allgather.py [--world 2] [--threads 1] [--quick]``.
+``python benchmarks/bench_allgather.py [--world 2] [--threads 1] [--quick]``. With
+``--losses 150`` it prints instead the training losses of the tests' nanoGPT-style GPT under
+FSDP2, per recipe, with and without the low-precision gather.
 """
 
 from __future__ import annotations
@@ -132,6 +134,76 @@ def run(recipe: str, low: bool, reshard: bool, args: Any, wire: Wire) -> dict[st
     }
 
 
+def text_batches(rank: int, step: int, seq: int = 32, rows: int = 8) -> tuple[Any, Any]:
+    """Windows of the bytes of the running Python's ``os.py`` (the same for every run)."""
+    data = torch.frombuffer(bytearray(Path(os.__file__).read_bytes()), dtype=torch.uint8).long()
+    gen = torch.Generator().manual_seed(10_000 * step + rank)
+    start = torch.randint(0, data.numel() - seq - 1, (rows,), generator=gen)
+    window = torch.stack([data[s : s + seq + 1] for s in start.tolist()])
+    return window[:, :-1], window[:, 1:]
+
+
+def gpt_losses(recipe: str, low: bool, steps: int) -> list[float]:
+    """The tests' nanoGPT-style GPT (width 128, 2 blocks, tied lm_head kept in bf16) under FSDP2,
+    every other Linear ruled by ``recipe``; the training loss of every step."""
+    from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
+
+    import mixprec
+    from mixprec.distributed import gather_low_precision
+
+    sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+    from tests.advisor_models import NanoGPT
+
+    torch.manual_seed(0)
+    model = NanoGPT(width=128)
+    mp = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
+    for block in model.transformer.h:
+        fully_shard(block, mp_policy=mp)
+    fully_shard(model, mp_policy=mp)
+    policy = mixprec.Policy(f"nn.Linear={RECIPES[recipe]}, lm_head=bf16")
+    if low:
+        gather_low_precision(model, policy)
+    opt = torch.optim.AdamW(model.parameters(), lr=3e-3)
+    losses = []
+    for step in range(steps):
+        x, y = text_batches(dist.get_rank(), step)
+        with mixprec.autocast("cpu", torch.bfloat16, policy=policy):
+            logits = model(x)
+        loss = torch.nn.functional.cross_entropy(logits.float().flatten(0, 1), y.flatten())
+        loss.backward()
+        opt.step()
+        opt.zero_grad()
+        losses.append(loss.item())
+    return losses
+
+
+def loss_table(args: Any) -> None:
+    rows = []
+    for recipe in args.recipes:
+        plain, low = gpt_losses(recipe, False, args.losses), gpt_losses(recipe, True, args.losses)
+        rows.append((recipe, plain, low))
+    if dist.get_rank() != 0:
+        return
+    tail = max(1, args.losses // 10)
+    print(
+        f"nanoGPT-style GPT (width 128, 2 blocks, 4 heads, context 32, byte vocabulary, lm_head "
+        f"bf16) under FSDP2 on {dist.get_world_size()} gloo ranks, bf16 params, AdamW 3e-3, "
+        f"{args.losses} steps of 8 windows of os.py per rank; training loss of rank 0"
+    )
+    print(
+        "| recipe | last step, bf16 gather | last step, low-precision gather | mean of the "
+        f"last {tail}, bf16 gather | the same, low-precision | identical every step |"
+    )
+    print("|---|---|---|---|---|---|")
+    for recipe, plain, low in rows:
+        same = "yes" if plain == low else "NO"
+        mean = [statistics.fmean(v[-tail:]) for v in (plain, low)]
+        print(
+            f"| {recipe} | {plain[-1]:.4f} | {low[-1]:.4f} | {mean[0]:.4f} | {mean[1]:.4f} | "
+            f"{same} |"
+        )
+
+
 def worker(rank: int, world: int, port_file: Path, args: Any) -> None:
     torch.set_num_threads(args.threads)
     warnings.simplefilter("ignore")
@@ -139,6 +211,12 @@ def worker(rank: int, world: int, port_file: Path, args: Any) -> None:
     dist.init_process_group(
         "gloo", store=store, rank=rank, world_size=world, timeout=timedelta(seconds=120)
     )
+    if args.losses:
+        try:
+            loss_table(args)
+        finally:
+            dist.destroy_process_group()
+        return
     wire = Wire(world)
     rows = []
     try:
@@ -207,6 +285,9 @@ def parse(argv: list[str]) -> argparse.Namespace:
     parser.add_argument("--steps", type=int, default=5)
     parser.add_argument("--recipes", nargs="+", default=list(RECIPES), choices=list(RECIPES))
     parser.add_argument("--quick", action="store_true", help="tiny sizes: a smoke test")
+    parser.add_argument(
+        "--losses", type=int, default=0, help="print the GPT loss table of this many steps instead"
+    )
     parser.add_argument("--rank", type=int, default=None, help=argparse.SUPPRESS)
     parser.add_argument("--port-file", default=None, help=argparse.SUPPRESS)
     args = parser.parse_args(argv)

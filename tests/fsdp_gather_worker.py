@@ -165,6 +165,23 @@ def scenario_scaler(rank: int) -> dict[str, Any]:
     return {r: {"plain": train(r, False, **kw), "low": train(r, True, **kw)} for r in ("mxfp8",)}
 
 
+def scenario_no_recompute(rank: int) -> dict[str, Any]:
+    """Activation checkpointing of a rowwise Linear without recompute=True: refused, by name."""
+    from mixprec.errors import ConfigError
+
+    model = shard(make_model(384), True)
+    policy = policy_for("rowwise")
+    gather_low_precision(model, policy)
+    x, y = batch(rank, 0)
+    with mixprec.autocast("cpu", torch.bfloat16, policy=policy):
+        out = forward(model, x, True)
+    try:
+        (out.float() - y).square().mean().backward()
+    except ConfigError as error:
+        return {"error": str(error)}
+    return {"error": None}
+
+
 def _ckpt_model(gather: bool) -> tuple[nn.Module, Any]:
     model = shard(make_model(384), True)
     handle = gather_low_precision(model, policy_for("mxfp8")) if gather else None

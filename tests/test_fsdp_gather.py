@@ -91,7 +91,7 @@ def worlds(tmp_path_factory: pytest.TempPathFactory) -> dict[int, list[dict[str,
     """A 2-rank world (parity, recomputation, a checkpoint saved), then a 3-rank one (uneven
     shards, the checkpoint loaded at another world size)."""
     outdir = tmp_path_factory.mktemp("gather")
-    two = run_world(outdir, 2, ["parity", "recompute", "scaler", "ckpt_save"])
+    two = run_world(outdir, 2, ["parity", "recompute", "scaler", "ckpt_save", "no_recompute"])
     three = run_world(outdir, 3, ["uneven", "ckpt_load"])
     return {2: two, 3: three}
 
@@ -151,6 +151,16 @@ def test_only_the_phases_copy_travels(worlds: dict[int, list[dict[str, Any]]]) -
 def test_activation_checkpointing(worlds: dict[int, list[dict[str, Any]]], recipe: str) -> None:
     for rank in worlds[2]:
         _assert_bitwise(rank["recompute"][recipe])
+
+
+@pytest.mark.slow
+def test_recomputation_without_recompute_is_refused(
+    worlds: dict[int, list[dict[str, Any]]],
+) -> None:
+    for rank in worlds[2]:
+        error = rank["no_recompute"]["error"]
+        assert error is not None and "recompute=True" in error
+        assert "of Linear '0'" in error or "of Linear '2'" in error
 
 
 @pytest.mark.slow

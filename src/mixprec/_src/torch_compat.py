@@ -60,15 +60,6 @@ def fsdp_attach_extension(fsdp_param: Any, pre: Any, post: Any) -> None:
     fsdp_param._init_extensions()
 
 
-def fsdp_detach_extension(fsdp_param: Any) -> None:
-    """Undo :func:`fsdp_attach_extension` (before the next all-gather)."""
-    local = fsdp_param.sharded_param._local_tensor
-    for name in ("fsdp_pre_all_gather", "fsdp_post_all_gather"):
-        local.__dict__.pop(name, None)
-    fsdp_param.all_gather_outputs = []
-    fsdp_param.__dict__.pop("_unsharded_param", None)
-
-
 def fsdp_param_dtype(fsdp_param: Any) -> torch.dtype:
     """The dtype FSDP2 gathers the parameter in (its MixedPrecisionPolicy's, else its own)."""
     return fsdp_param.param_dtype or fsdp_param.orig_dtype

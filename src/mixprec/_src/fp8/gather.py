@@ -224,7 +224,6 @@ class LowPrecisionGather:
         self.model, self.recompute = model, recompute
         self.weights: list[_Weight] = []
         self.collectives = self.scale_bytes = self.gathers = self.gather_bytes = 0
-        self._hook: Any = None
 
     @property
     def names(self) -> list[str]:
@@ -257,15 +256,6 @@ class LowPrecisionGather:
             w.combine([r[j] for r in ranks])
             w.version = v
         return True
-
-    def remove(self) -> None:
-        """Gather the parameter dtype again (call between steps, before a forward).
-        Host sync: none."""
-        for w in self.weights:
-            torch_compat.fsdp_detach_extension(w.fsdp_param)
-        if self._hook is not None:
-            self._hook.remove()
-        self.weights = []
 
     def __repr__(self) -> str:
         return (
@@ -341,7 +331,7 @@ def gather_low_precision(
             checkpointing): its backward gather then carries both copies of the weight.
 
     Returns:
-        A :class:`LowPrecisionGather` (counters; ``remove()`` undoes it).
+        A :class:`LowPrecisionGather` (what went on the wire).
 
     Raises:
         ConfigError: ``model`` is not a ``fully_shard`` root, has been run already, no Linear is
@@ -409,4 +399,4 @@ def _attach(handle: LowPrecisionGather) -> None:
     def before_forward(module: nn.Module, args: Any) -> None:
         handle.refresh(force=False)
 
-    handle._hook = handle.model.register_forward_pre_hook(before_forward, prepend=True)
+    handle.model.register_forward_pre_hook(before_forward, prepend=True)
