@@ -218,17 +218,26 @@ def scenario_ckpt_load(rank: int) -> dict[str, Any]:
     """Another world size loads the checkpoint (with the gather on), then trains a step."""
     import torch.distributed.checkpoint as dcp
 
+    plain, _ = _ckpt_model(False)  # FSDP2 alone: nothing of mixprec in the loading model
+    plain_state = {"model": plain.state_dict()}
+    dcp.load(plain_state, checkpoint_id=str(OUTDIR / "dcp"))
     model, handle = _ckpt_model(True)
     state = {"model": model.state_dict()}
     dcp.load(state, checkpoint_id=str(OUTDIR / "dcp"))
     model.load_state_dict(state["model"])
     loaded = {k: full(v) for k, v in model.state_dict().items()}
+    loaded_plain = {k: full(v) for k, v in plain.state_dict().items()}
     x, y = batch(rank, 7)
     with mixprec.autocast("cpu", torch.bfloat16, policy=policy_for("mxfp8")):
         loss = (model(x).float() - y).square().mean()
     loss.backward()
     assert handle is not None
-    return {"params": loaded, "loss": loss.detach(), "collectives": handle.collectives}
+    return {
+        "params": loaded,
+        "plain_params": loaded_plain,
+        "loss": loss.detach(),
+        "collectives": handle.collectives,
+    }
 
 
 SCENARIOS: dict[str, Callable[[int], Any]] = {

@@ -191,6 +191,7 @@ def test_checkpoint_is_plain_and_loads_at_another_world_size(
         assert loaded.keys() >= {"params", "loss"}
         for name, value in saved["params"].items():
             assert torch.equal(value, loaded["params"][name]), name
+            assert torch.equal(value, loaded["plain_params"][name]), name  # FSDP2 alone
         assert torch.isfinite(loaded["loss"])
         assert loaded["collectives"] == 1
 
