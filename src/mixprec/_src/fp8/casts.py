@@ -16,7 +16,7 @@ from typing import NamedTuple
 import torch
 
 from mixprec._src.devices import caps
-from mixprec._src.fp8.formats import MODES, clamped, factor, fmt_max, hadamard, widen
+from mixprec._src.fp8.formats import cast_blocks, clamped, factor, fmt_max, hadamard, widen
 from mixprec._src.fp8.recipes import Cast
 
 _DIVIDES = ("amax", "pow2")  # torchao.float8 dequantizes by dividing by its scale
@@ -74,7 +74,7 @@ def quantize(
     br, bc = block_shape(src.shape, cast, dim)
     x4 = src.reshape(rows // br, br, cols // bc, bc)
     a = x4.abs().amax(dim=(1, 3), keepdim=True)
-    codes, scale, tensor_scale = MODES[cast.scale](x4.to(torch.float32), a, cast, gen)
+    codes, scale, tensor_scale = cast_blocks(x4.to(torch.float32), a, cast, gen)
     return Quantized(codes.reshape(rows, cols), scale, tensor_scale, a, (br, bc)), src
 
 

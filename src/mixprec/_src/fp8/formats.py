@@ -64,16 +64,6 @@ def scale_from_amax(a: torch.Tensor, cast: Cast) -> torch.Tensor:
     return res
 
 
-def _by_amax(x4: torch.Tensor, a: torch.Tensor, cast: Cast, gen: object) -> Modes:
-    scale = scale_from_amax(a, cast)
-    return (x4 * scale).to(cast.dtype), scale, None
-
-
-def _amax_div(x4: torch.Tensor, a: torch.Tensor, cast: Cast, gen: object) -> Modes:
-    scale = a.to(torch.float32).clamp(min=EPS) / fmt_max(cast.dtype)
-    return (x4 / scale).to(cast.dtype), scale, None
-
-
 def widen(codes: torch.Tensor) -> torch.Tensor:
     """The fp32 values of fp8 codes (e4m3 or e5m2; fp4 values are held in e4m3), bit for bit
     ``codes.to(torch.float32)`` (NaN included), through fp16 bit operations: torch's CPU
@@ -120,17 +110,6 @@ def e8m0_exponent(a: torch.Tensor, cast: Cast) -> torch.Tensor:
     ).to(torch.uint8)
 
 
-def _e8m0(x4: torch.Tensor, a: torch.Tensor, cast: Cast, gen: object) -> Modes:
-    e = e8m0_exponent(a, cast)
-    # The multiplier cuBLAS and TransformerEngine apply: 1 for exponent 0 (2**127 is not taken),
-    # 2**-127 for an inf amax, NaN for a NaN one.
-    normal = torch.where(e == 0, 1.0, torch.exp2(E8M0_BIAS - e.to(torch.float32)))
-    nan = torch.full_like(normal, float("nan"))
-    rcp = torch.where(e == 255, nan, torch.where(e == 254, 2.0**-127, normal))
-    m = fmt_max(cast.dtype)
-    return (x4 * rcp).clamp_(-m, m).to(cast.dtype), e, None
-
-
 def e8m0_value(e: torch.Tensor) -> torch.Tensor:
     """fp32 value of E8M0 exponents: ``2**(e - 127)``, NaN for 255.
 
@@ -144,14 +123,71 @@ def e8m0_value(e: torch.Tensor) -> torch.Tensor:
     return torch.where(e == 255, torch.full_like(value, float("nan")), value)
 
 
-def _nvfp4(x4: torch.Tensor, a: torch.Tensor, cast: Cast, gen: torch.Generator | None) -> Modes:
+def block_scales(a: torch.Tensor, cast: Cast) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """The scale of each block from its absolute maximum ``a``, in the mode's storage, and
+    NVFP4's fp32 tensor scale (from the largest of ``a``: pass every block of the tensor).
+
+    Example:
+        >>> block_scales(torch.tensor([2.0, 448.0]), Cast(E4M3, scale="amax_div"))[0].tolist()
+        [0.004464285913854837, 1.0]
+
+    Host sync: none.
+    """
+    if cast.scale in ("amax", "pow2"):
+        return scale_from_amax(a, cast), None
+    if cast.scale == "amax_div":
+        return a.to(torch.float32).clamp(min=EPS) / fmt_max(cast.dtype), None
+    if cast.scale == "e8m0":
+        return e8m0_exponent(a, cast), None
     tensor_scale = a.amax().to(torch.float32).clamp(min=EPS) / (E4M3_MAX * E2M1_MAX)
     block = (a.to(torch.float32) / E2M1_MAX) / tensor_scale
-    block8 = torch.clamp(block, min=E4M3_TINY, max=E4M3_MAX).to(E4M3)
-    rcp = (1.0 / tensor_scale) / block8.to(torch.float32)
+    return torch.clamp(block, min=E4M3_TINY, max=E4M3_MAX).to(E4M3), tensor_scale
+
+
+def encode(
+    x4: torch.Tensor,
+    scale: torch.Tensor,
+    tensor_scale: torch.Tensor | None,
+    cast: Cast,
+    gen: torch.Generator | None = None,
+) -> torch.Tensor:
+    """The element codes of the fp32 ``x4`` under block scales that broadcast against it (from
+    :func:`block_scales`): elementwise, so a shard of rows is cast as the whole tensor's rows.
+
+    Example:
+        >>> cast = Cast(E4M3, scale="e8m0")
+        >>> x = torch.tensor([[3.0, -0.5]])
+        >>> encode(x, *block_scales(x.abs().amax(), cast), cast).float().tolist()
+        [[384.0, -64.0]]
+
+    Host sync: none.
+    """
+    if cast.scale in ("amax", "pow2"):
+        return (x4 * scale).to(cast.dtype)
+    if cast.scale == "amax_div":
+        return (x4 / scale).to(cast.dtype)
+    if cast.scale == "e8m0":
+        # The multiplier cuBLAS and TransformerEngine apply: 1 for exponent 0 (2**127 is not
+        # taken), 2**-127 for an inf amax, NaN for a NaN one.
+        e = scale
+        normal = torch.where(e == 0, 1.0, torch.exp2(E8M0_BIAS - e.to(torch.float32)))
+        nan = torch.full_like(normal, float("nan"))
+        rcp = torch.where(e == 255, nan, torch.where(e == 254, 2.0**-127, normal))
+        m = fmt_max(cast.dtype)
+        return (x4 * rcp).clamp_(-m, m).to(cast.dtype)
+    assert tensor_scale is not None
+    rcp = (1.0 / tensor_scale) / scale.to(torch.float32)
     v = (x4 * rcp).clamp_(-E2M1_MAX, E2M1_MAX)
-    codes = round_e2m1(v, stochastic=cast.stochastic, gen=gen)
-    return codes.to(E4M3), block8, tensor_scale
+    return round_e2m1(v, stochastic=cast.stochastic, gen=gen).to(E4M3)
+
+
+def cast_blocks(
+    x4: torch.Tensor, a: torch.Tensor, cast: Cast, gen: torch.Generator | None
+) -> Modes:
+    """Codes, scales and tensor scale of the fp32 blocks ``x4`` with block maxima ``a``.
+    Host sync: none."""
+    scale, tensor_scale = block_scales(a, cast)
+    return encode(x4, scale, tensor_scale, cast, gen), scale, tensor_scale
 
 
 def round_e2m1(
@@ -248,12 +284,3 @@ def hadamard(x: torch.Tensor, dim: int) -> torch.Tensor:
     if dim == 0:
         return (r @ x.reshape(-1, 16, x.shape[1])).reshape(x.shape)
     return (x.reshape(x.shape[0], -1, 16) @ r.t()).reshape(x.shape)
-
-
-MODES = {
-    "amax": _by_amax,
-    "pow2": _by_amax,
-    "amax_div": _amax_div,
-    "e8m0": _e8m0,
-    "e4m3_fp32": _nvfp4,
-}

@@ -26,6 +26,7 @@ import torch.nn.functional as F
 
 from mixprec._src.devices import caps
 from mixprec._src.fp8 import kernels
+from mixprec._src.fp8.carrier import gathered
 from mixprec._src.fp8.casts import Quantized, cast_stats, dequantize, quantize
 from mixprec._src.fp8.kernels import Side
 from mixprec._src.fp8.recipes import Cast, Recipe
@@ -159,7 +160,7 @@ class Fp8Linear(torch.autograd.Function):
         # A forward run inside backward is a checkpoint recomputation: its casts were recorded.
         record = plan.slot is not None and torch._C._current_graph_task_id() == -1
         qx = _cast(plan, x2d, r.x, 1, _INPUT, True, record)
-        qw = _cast(plan, weight, r.w, 1, _WEIGHT, True, record)
+        qw = gathered(weight, 1) or _cast(plan, weight, r.w, 1, _WEIGHT, True, record)
         out = _mm(plan, Side(qx, r.x), Side(qw, r.w, True), fast_accum=True, count=record)
         need_x, need_w = ctx.needs_input_grad[0], ctx.needs_input_grad[1]
         keep_x = _save(qx if r.x == r.x_gw and r.x.square else None, x2d)
@@ -208,7 +209,7 @@ def _backward(
         w_hp, qw = w
         if qw is None:
             assert w_hp is not None
-            qw = _cast(plan, w_hp, r.w_gi, 0, _WEIGHT, False, True)
+            qw = gathered(w_hp, 0) or _cast(plan, w_hp, r.w_gi, 0, _WEIGHT, False, True)
         dx = _mm(plan, Side(qdy, r.dy_gi), Side(qw, r.w_gi))
     if needs[1]:
         x_hp, qx = x

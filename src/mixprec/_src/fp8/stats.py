@@ -81,7 +81,9 @@ class Fp8ModuleStats:
     ``grad_output`` stays empty (``elements == 0``) until a backward pass ran. ``path`` is
     ``"hardware"`` when every matmul recorded ran on ``torch._scaled_mm``, ``"emulated"`` when
     none did (dequantized values and an fp32 matmul), ``"mixed"`` otherwise (shapes that are not
-    multiples of 16 fall back to the emulation).
+    multiples of 16 fall back to the emulation). ``gathered_bytes``: what this rank put into the
+    weight's low-precision all-gathers (``mixprec.distributed.gather_low_precision``) while the
+    stats were entered; the weight's casts then happen on the shards, not recorded here.
     """
 
     recipe: str
@@ -89,6 +91,7 @@ class Fp8ModuleStats:
     weight: Fp8CastStats
     grad_output: Fp8CastStats
     path: str = "emulated"
+    gathered_bytes: int = 0
 
 
 class Slot:
@@ -98,11 +101,11 @@ class Slot:
     Host sync: none.
     """
 
-    __slots__ = ("data", "emulated", "hardware", "recipe")
+    __slots__ = ("data", "emulated", "gathered", "hardware", "recipe")
 
     def __init__(self, device: torch.device, recipe: str) -> None:
         self.recipe = recipe
-        self.hardware = self.emulated = 0
+        self.hardware = self.emulated = self.gathered = 0
         self.data = torch.zeros(
             len(OPERANDS), len(STAT_COLUMNS), dtype=caps(device).wide_float, device=device
         )
@@ -306,4 +309,4 @@ def _module_stats(slot: Slot, rows: list[list[float]]) -> Fp8ModuleStats:
         )
 
     inp, weight, grad_output = (one(r) for r in rows)
-    return Fp8ModuleStats(slot.recipe, inp, weight, grad_output, slot.path)
+    return Fp8ModuleStats(slot.recipe, inp, weight, grad_output, slot.path, slot.gathered)

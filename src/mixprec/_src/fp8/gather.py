@@ -1,0 +1,402 @@
+"""How each recipe's weight travels in an FSDP2 all-gather: codes as bytes, scales once a step.
+
+FSDP2 all-gathers every weight before the forward and, with ``reshard_after_forward=True``,
+again in backward. :func:`gather_low_precision` makes it gather each ruled Linear's weight as
+its recipe's codes instead of the parameter dtype, through FSDP2's extension
+(``fsdp_pre_all_gather``/``fsdp_post_all_gather`` on the sharded local tensor, which stays a
+plain tensor: the optimizer, ``state_dict`` and distributed checkpoints see ordinary
+parameters).
+
+* **Scales.** Before a forward whose weights changed (an optimizer step since the last one),
+  each rank computes the block maxima of the rows it holds, in the parameter dtype, and ONE
+  ``all_gather_into_tensor`` over the mesh exchanges them for every ruled weight at once; each
+  rank then combines them (a maximum: blocks that straddle shards, whole columns, the whole
+  tensor) into the scales of the whole weight. Gradient accumulation adds none.
+* **Codes.** Each rank casts its rows with those scales (elementwise, so the codes are the
+  unsharded cast's, bit for bit) and FSDP gathers them as ``uint8`` tensors of exactly the padded
+  shard's shape (gloo has no float8 type; an uneven shard is padded like FSDP's own): one byte a
+  value, NVFP4's two values a byte where the rows divide evenly.
+* **Orientation.** Only the copies the phase needs travel (:func:`orientations`): square blocks
+  (tensorwise, 128x128, NVFP4's 16x16) serve both matmuls, one copy; rowwise recipes gather the
+  forward copy (scaled along ``in_features``) before the forward and the input-gradient copy
+  (along ``out_features``) in backward, both at once where the weight stays unsharded from
+  forward to backward (``reshard_after_forward=False``, FSDP's root) or is recomputed.
+
+The unsharded weight is a :class:`~.carrier.Gathered`, consumed by the recipe's matmul.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from typing import TYPE_CHECKING, Any
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from mixprec._src import torch_compat
+from mixprec._src.fp8.carrier import Gathered, Payload, pack_e2m1, unpack_e2m1
+from mixprec._src.fp8.casts import Quantized, block_shape
+from mixprec._src.fp8.formats import block_scales, e8m0_exponent, encode
+from mixprec._src.fp8.recipes import E2M1, E4M3, Cast, Recipe, get_recipe
+from mixprec._src.fp8.stats import active_stats
+from mixprec.errors import ConfigError
+
+if TYPE_CHECKING:
+    from mixprec._src.autocast.policy import Policy
+
+
+def orientations(recipe: Recipe) -> tuple[tuple[Cast, int], ...]:
+    """The weight's casts a gather may carry, ``(cast, contraction dim)``: the forward's (along
+    ``in_features``), then the input gradient's unless the forward's serves it (square blocks).
+
+    Example:
+        >>> [(c.short, d) for c, d in orientations(get_recipe("rowwise"))]
+        [('e4m3/row/pow2', 1), ('e4m3/row/pow2', 0)]
+        >>> len(orientations(get_recipe("mxfp8"))), len(orientations(get_recipe("nvfp4")))
+        (2, 1)
+
+    Host sync: none.
+    """
+    assert recipe.w is not None and recipe.w_gi is not None
+    if recipe.w == recipe.w_gi and recipe.w.square:
+        return ((recipe.w, 1),)
+    return ((recipe.w, 1), (recipe.w_gi, 0))
+
+
+class _Weight:
+    """One ruled, sharded weight: its geometry, the scales of the current step, the two hooks."""
+
+    def __init__(self, name: str, fsdp_param: Any, group: Any, recipe: Recipe, owner: Any):
+        self.name, self.fsdp_param, self.group, self.recipe = name, fsdp_param, group, recipe
+        self.owner = owner  # the LowPrecisionGather: settings and counters
+        self.rank, self.world, self.pg = torch_compat.fsdp_shard_info(fsdp_param)
+        shard = torch_compat.fsdp_padded_shard(fsdp_param)
+        self.r_pad, self.cols = shard.shape
+        self.rows = int(fsdp_param.sharded_param.shape[0])
+        self.orients = orientations(recipe)
+        self.blocks = [block_shape((self.rows, self.cols), c, d) for c, d in self.orients]
+        self.packed = recipe.w is not None and recipe.w.dtype == E2M1
+        self.packed = self.packed and self.r_pad * self.world == self.rows
+        self.scales: list[tuple[torch.Tensor, torch.Tensor | None, torch.Tensor]] = []
+        self.version = -1
+        self.payload = Payload(name, tuple(c for c, _ in self.orients))
+        self.inner: dict[int, torch.Tensor] = {}  # NVFP4's unpacked codes, refilled in place
+
+    # ------------------------------------------------------------------ geometry
+    def span(self, rank: int) -> tuple[int, int]:
+        """The weight rows rank ``rank`` holds (FSDP2's chunks: the last ones may be short)."""
+        lo = min(self.rows, rank * self.r_pad)
+        return lo, min(self.rows, lo + self.r_pad)
+
+    def touched(self, i: int, rank: int) -> tuple[int, int]:
+        """The block rows of orientation ``i`` that rank ``rank``'s rows fall in."""
+        lo, hi = self.span(rank)
+        br = self.blocks[i][0]
+        return (lo // br, -(-hi // br)) if hi > lo else (0, 0)
+
+    def slots(self, i: int) -> int:
+        return max(b1 - b0 for b0, b1 in (self.touched(i, k) for k in range(self.world)))
+
+    def hp_shard(self) -> torch.Tensor:
+        """This rank's padded rows in the parameter dtype (rounded first, as FSDP's cast does)."""
+        shard = torch_compat.fsdp_padded_shard(self.fsdp_param)
+        return shard.to(torch_compat.fsdp_param_dtype(self.fsdp_param))
+
+    # ------------------------------------------------------------------ scales
+    def partials(self) -> list[torch.Tensor]:
+        """Per orientation, the maxima of this rank's part of each block row it touches
+        (``(slots, cols / bc)``): fp32, or E8M0 exponents (uint8) for MXFP8."""
+        x = self.hp_shard()
+        lo, hi = self.span(self.rank)
+        out = []
+        for i, (cast, _) in enumerate(self.orients):
+            br, bc = self.blocks[i]
+            b0, b1 = self.touched(i, self.rank)
+            rowmax = x[: hi - lo].abs().reshape(hi - lo, -1, bc).amax(-1).float()
+            part = torch.zeros(self.slots(i), self.cols // bc, device=x.device)
+            for b in range(b0, b1) if br > self.r_pad else ():  # few blocks, each larger
+                rows = rowmax[max(lo, b * br) - lo : min(hi, (b + 1) * br) - lo]
+                part[b - b0] = rows.amax(0)
+            if br <= self.r_pad and hi > lo:  # blocks no larger than a shard: one reduction
+                buf = torch.zeros(self.slots(i) * br, part.shape[1], device=x.device)
+                buf[lo - b0 * br : hi - b0 * br] = rowmax
+                part = buf.view(-1, br, part.shape[1]).amax(1)
+            out.append(e8m0_exponent(part, cast) if cast.scale == "e8m0" else part)
+        return out
+
+    def combine(self, parts: list[list[torch.Tensor]]) -> None:
+        """Set the step's scales from every rank's ``partials`` (``parts[rank][i]``)."""
+        self.scales = []
+        for i, (cast, _) in enumerate(self.orients):
+            br, bc = self.blocks[i]
+            grid = torch.zeros_like(parts[0][i][:0]).new_zeros(self.rows // br, self.cols // bc)
+            for k in range(self.world):
+                b0, b1 = self.touched(i, k)
+                grid[b0:b1] = torch.maximum(grid[b0:b1], parts[k][i][: b1 - b0])
+            grid4 = grid.reshape(self.rows // br, 1, self.cols // bc, 1)
+            if cast.scale == "e8m0":
+                self.scales.append((grid4, None, grid4))
+            else:
+                scale, tensor_scale = block_scales(grid4, cast)
+                self.scales.append((scale, tensor_scale, grid4))
+
+    # ------------------------------------------------------------------ FSDP2's extension
+    def carried(self) -> tuple[int, ...]:
+        """The orientations this gather carries (the same count at every gather)."""
+        if len(self.orients) == 1:
+            return (0,)
+        if self.owner.recompute or torch_compat.fsdp_keeps_unsharded(self.group):
+            return (0, 1)
+        return (1,) if torch_compat.in_backward() else (0,)
+
+    def codes(self, i: int) -> torch.Tensor:
+        """This rank's padded rows cast per orientation ``i``, as uint8 bytes for the wire."""
+        cast = self.orients[i][0]
+        br, bc = self.blocks[i]
+        scale, tensor_scale, _ = self.scales[i]
+        lo, _ = self.span(self.rank)
+        index = torch.arange(lo, lo + self.r_pad, device=scale.device) // br
+        row_scale = scale[index.clamp_(max=scale.shape[0] - 1)]
+        x4 = self.hp_shard().reshape(self.r_pad, 1, self.cols // bc, bc).to(torch.float32)
+        codes = encode(x4, row_scale, tensor_scale, cast).reshape(self.r_pad, self.cols)
+        return pack_e2m1(codes) if self.packed else codes.view(torch.uint8)
+
+    def pre_all_gather(
+        self, mesh: Any, outer_size: Any, outer_stride: Any, module: Any, mp_policy: Any
+    ) -> tuple[tuple[torch.Tensor, ...], tuple[int, ...]]:
+        if not self.scales:
+            self.owner.refresh()
+        carried = self.carried()
+        inputs = tuple(self.codes(i) for i in carried)
+        nbytes = sum(t.numel() for t in inputs)
+        self.owner.count_gather(nbytes)
+        stats = active_stats()
+        if stats is not None:
+            stats.slot(self.name, inputs[0].device, self.recipe.name).gathered += nbytes
+        return inputs, carried
+
+    def post_all_gather(
+        self,
+        outputs: tuple[torch.Tensor, ...],
+        carried: tuple[int, ...],
+        param_dtype: torch.dtype,
+        *,
+        out: torch.Tensor | None = None,
+    ) -> tuple[torch.Tensor, list[torch.Tensor]] | None:
+        self.payload.copies = {}
+        for raw, i in zip(outputs, carried, strict=True):
+            codes = self._codes_of(i, raw[: self.rows])
+            scale, tensor_scale, amax = self.scales[i]
+            self.payload.copies[i] = Quantized(codes, scale, tensor_scale, amax, self.blocks[i])
+        if out is not None:
+            return None
+        device = outputs[0].device
+        weight = Gathered(self.payload, (self.rows, self.cols), param_dtype, device)
+        return weight, list(self.inner.values())
+
+    def _codes_of(self, i: int, raw: torch.Tensor) -> torch.Tensor:
+        if not self.packed:
+            return raw.view(E4M3)
+        if i not in self.inner:
+            self.inner[i] = unpack_e2m1(raw)
+        else:
+            with torch_compat.preserve_version_counter(self.inner[i]):
+                self.inner[i].copy_(unpack_e2m1(raw))
+        return self.inner[i]
+
+
+class LowPrecisionGather:
+    """What :func:`gather_low_precision` set up: the ruled weights, and what went on the wire.
+
+    Attributes:
+        names: the Linears whose weights gather in their recipe's format.
+        recompute: both copies of a rowwise weight travel in every gather.
+        collectives: the scale collectives issued (at most one per optimizer step).
+        scale_bytes: bytes this rank put into them.
+        gathers: the weights' all-gathers (one per weight per gather).
+        gather_bytes: bytes this rank put into them (each goes to ``world - 1`` ranks).
+
+    Host sync: none.
+    """
+
+    def __init__(self, model: nn.Module, recompute: bool) -> None:
+        self.model, self.recompute = model, recompute
+        self.weights: list[_Weight] = []
+        self.collectives = self.scale_bytes = self.gathers = self.gather_bytes = 0
+
+    @property
+    def names(self) -> list[str]:
+        """The ruled Linears, in model order. Host sync: none."""
+        return [w.name for w in self.weights]
+
+    def count_gather(self, nbytes: int) -> None:
+        """Count one weight all-gather of ``nbytes`` from this rank. Host sync: none."""
+        self.gathers += 1
+        self.gather_bytes += nbytes
+
+    def refresh(self, force: bool = True) -> bool:
+        """Recompute every weight's scales with one collective (a forward runs it itself when
+        an optimizer step changed the weights); with ``force=False``, only if they changed.
+
+        Host sync: none (the collective is queued on the mesh's group).
+        """
+        versions = [w.fsdp_param.sharded_param._version for w in self.weights]
+        if not force and all(v == w.version for v, w in zip(versions, self.weights, strict=True)):
+            return False
+        parts = [w.partials() for w in self.weights]
+        flat, layout = _pack(parts)
+        world = self.weights[0].world
+        everyone = flat.new_empty(world * flat.numel())
+        _all_gather(everyone, flat, group=self.weights[0].pg)
+        self.collectives += 1
+        self.scale_bytes += flat.numel()
+        ranks = [_unpack(row, layout, parts) for row in everyone.view(world, -1)]
+        for j, (w, v) in enumerate(zip(self.weights, versions, strict=True)):
+            w.combine([r[j] for r in ranks])
+            w.version = v
+        return True
+
+    def __repr__(self) -> str:
+        return (
+            f"LowPrecisionGather({len(self.weights)} weights, collectives={self.collectives}, "
+            f"gather_bytes={self.gather_bytes}, scale_bytes={self.scale_bytes})"
+        )
+
+
+def _all_gather(out: torch.Tensor, inp: torch.Tensor, group: Any) -> None:
+    """``all_gather_single`` (torch >= 2.13; ``all_gather_into_tensor`` before)."""
+    gather = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
+    gather(out, inp, group=group)
+
+
+def _pack(parts: list[list[torch.Tensor]]) -> tuple[torch.Tensor, list[tuple[int, int]]]:
+    """Every partial as bytes in one flat uint8 tensor (fp32 ones first, 4-aligned)."""
+    items = [p for ps in parts for p in ps]
+    order = sorted(range(len(items)), key=lambda j: items[j].dtype != torch.float32)
+    chunks, layout, at = [], [(0, 0)] * len(items), 0
+    for j in order:
+        raw = items[j].contiguous().view(-1).view(torch.uint8)
+        layout[j] = (at, raw.numel())
+        chunks.append(raw)
+        at += raw.numel()
+    chunks.append(torch.zeros(-at % 4, dtype=torch.uint8, device=chunks[0].device))
+    return torch.cat(chunks), layout
+
+
+def _unpack(
+    row: torch.Tensor, layout: list[tuple[int, int]], like: list[list[torch.Tensor]]
+) -> list[list[torch.Tensor]]:
+    out, j = [], 0
+    for ps in like:
+        got = []
+        for p in ps:
+            at, n = layout[j]
+            got.append(row[at : at + n].view(p.dtype).view(p.shape))
+            j += 1
+        out.append(got)
+    return out
+
+
+def _ruled_linears(model: nn.Module, policy: Policy) -> Iterator[tuple[str, nn.Linear, str]]:
+    """``(name, Linear, recipe)`` of every Linear whose nearest rule is of the fp8 family."""
+    modules = dict(model.named_modules())
+    for name, module in modules.items():
+        if not isinstance(module, nn.Linear):
+            continue
+        parts = name.split(".") if name else []
+        for depth in range(len(parts), -1, -1):
+            qual = ".".join(parts[:depth])
+            rule = policy.module_rule(modules[qual], qual)
+            if rule is not None:
+                if rule.fp8_family and rule.recipe is not None:
+                    yield name, module, rule.recipe
+                break
+
+
+def gather_low_precision(
+    model: nn.Module, policy: Policy, *, recompute: bool = False
+) -> LowPrecisionGather:
+    """Make FSDP2 all-gather each Linear that ``policy`` runs in a low-precision recipe as its
+    recipe's codes (scales exchanged once per optimizer step), bit for bit the run without it.
+
+    Call it once, after ``fully_shard`` and before the first forward; run the forwards inside
+    ``mixprec.autocast(..., policy=policy)`` as without it. The parameters stay plain (sharded)
+    tensors: the optimizer, ``state_dict`` and ``torch.distributed.checkpoint`` are unchanged.
+
+    Args:
+        model: the root module ``fully_shard`` was applied to.
+        policy: the :class:`~mixprec.Policy` the forwards run under.
+        recompute: the forward of a rowwise-ruled Linear is recomputed in backward (activation
+            checkpointing): its backward gather then carries both copies of the weight.
+
+    Returns:
+        A :class:`LowPrecisionGather` (what went on the wire).
+
+    Raises:
+        ConfigError: ``model`` is not a ``fully_shard`` root, has been run already, no Linear is
+            ruled, a ruled weight is not sharded by FSDP2 (or offloaded, or sharded along
+            ``in_features``), or its features do not fit its recipe's blocks.
+
+    Example:
+        >>> # doc: needs torch.distributed (see docs/distributed.md for a 2-process run)
+
+    Host sync: none.
+    """
+    from torch.distributed.fsdp import FSDPModule
+
+    if not isinstance(model, FSDPModule):
+        raise ConfigError(
+            f"gather_low_precision needs the root module fully_shard was applied to, got "
+            f"{type(model).__name__}: call fully_shard(model) on the root first"
+        )
+    handle = LowPrecisionGather(model, recompute)
+    torch_compat.fsdp_lazy_init(model)
+    ruled = {id(m): (name, get_recipe(r)) for name, m, r in _ruled_linears(model, policy)}
+    if not ruled:
+        raise ConfigError(f"no Linear of the model is ruled by a low-precision recipe in {policy}")
+    for module in model.modules():
+        group = torch_compat.fsdp_param_group(module) if isinstance(module, FSDPModule) else None
+        for fsdp_param in group.fsdp_params if group is not None else ():
+            owner, attr = torch_compat.fsdp_param_owner(fsdp_param)
+            if attr == "weight" and id(owner) in ruled:
+                name, recipe = ruled.pop(id(owner))
+                _check(name, fsdp_param, recipe)
+                handle.weights.append(_Weight(name, fsdp_param, group, recipe, handle))
+    if ruled:
+        names = sorted(name for name, _ in ruled.values())
+        raise ConfigError(f"ruled Linears not sharded by fully_shard: {names}; shard them first")
+    _attach(handle)
+    return handle
+
+
+def _check(name: str, fsdp_param: Any, recipe: Recipe) -> None:
+    shape = tuple(fsdp_param.sharded_param.shape)
+    _, k, n = recipe.multiples()
+    where = f"Linear {name!r} (out_features={shape[0]}, in_features={shape[1]})"
+    if shape[1] % k or shape[0] % n:
+        raise ConfigError(
+            f"{where} cannot run recipe {recipe.name!r}: its blocks need in_features a multiple "
+            f"of {k} and out_features a multiple of {n}; keep it in bf16 or pad its features"
+        )
+    if not torch_compat.fsdp_extension_ready(fsdp_param):
+        raise ConfigError(f"{where} was all-gathered already: call gather_low_precision first")
+    if torch_compat.fsdp_unsupported(fsdp_param):
+        raise ConfigError(
+            f"{where}: the low-precision gather needs a weight sharded along out_features "
+            "(Shard(0)) on one mesh dimension, without CPU offload"
+        )
+
+
+def _attach(handle: LowPrecisionGather) -> None:
+    groups = {id(w.pg) for w in handle.weights}
+    if len(groups) != 1:
+        raise ConfigError("the ruled weights are sharded over different process groups")
+    for w in handle.weights:
+        torch_compat.fsdp_attach_extension(w.fsdp_param, w.pre_all_gather, w.post_all_gather)
+
+    @torch_compat.dynamo_disable
+    def before_forward(module: nn.Module, args: Any) -> None:
+        handle.refresh(force=False)
+
+    handle.model.register_forward_pre_hook(before_forward, prepend=True)

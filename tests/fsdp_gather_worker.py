@@ -1,0 +1,267 @@
+"""One rank of the gloo worlds that tests/test_fsdp_gather.py spawns: FSDP2 with and without the
+low-precision all-gather, every recipe.
+
+Usage: ``python fsdp_gather_worker.py RANK WORLD_SIZE PORT_FILE OUTDIR SCENARIO [SCENARIO ...]``.
+Each scenario writes ``OUTDIR/<scenario>-<rank>.pt``; the test does all the asserting.
+"""
+
+from __future__ import annotations
+
+import sys
+import warnings
+from collections.abc import Callable
+from datetime import timedelta
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+import mixprec
+from dist_worker import rendezvous
+from mixprec.distributed import gather_low_precision
+
+RECIPES = ("tensorwise", "rowwise", "rowwise_gw_hp", "blockwise", "mxfp8", "nvfp4")
+WORDS = {"tensorwise": "fp8", "blockwise": "fp8:blockwise", "mxfp8": "mxfp8", "nvfp4": "nvfp4"}
+STEPS = 2
+OUTDIR = Path(".")
+
+
+def word(recipe: str) -> str:
+    return WORDS.get(recipe, f"fp8:{recipe}")
+
+
+def make_model(rows: int) -> nn.Sequential:
+    """Two ruled Linears whose out_features do not divide into the ranks' or the blocks'
+    rows evenly, and one Linear left in bf16 (a mixed model)."""
+    torch.manual_seed(0)
+    return nn.Sequential(
+        nn.Linear(128, rows), nn.GELU(), nn.Linear(rows, 128), nn.GELU(), nn.Linear(128, 16)
+    )
+
+
+def policy_for(recipe: str) -> mixprec.Policy:
+    return mixprec.Policy(modules={"0": word(recipe), "2": word(recipe), "4": "bf16"})
+
+
+def shard(model: nn.Module, reshard: bool, dtype: torch.dtype = torch.bfloat16) -> nn.Module:
+    from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
+
+    mp = MixedPrecisionPolicy(param_dtype=dtype, reduce_dtype=torch.float32)
+    for i in (0, 2, 4):
+        fully_shard(model[i], mp_policy=mp, reshard_after_forward=reshard)
+    fully_shard(model, mp_policy=mp, reshard_after_forward=reshard)
+    return model
+
+
+def batch(rank: int, step: int, micro: int = 0) -> tuple[torch.Tensor, torch.Tensor]:
+    gen = torch.Generator().manual_seed(1000 * step + 10 * micro + rank)
+    return torch.randn(32, 128, generator=gen), torch.randn(32, 16, generator=gen)
+
+
+def full(t: torch.Tensor) -> torch.Tensor:
+    return (t.full_tensor() if hasattr(t, "full_tensor") else t).detach().clone()
+
+
+def train(
+    recipe: str,
+    low: bool,
+    *,
+    rows: int = 384,
+    reshard: bool = True,
+    accumulate: int = 1,
+    checkpoint: bool = False,
+    steps: int = STEPS,
+    compiled: bool = False,
+    scaler: bool = False,
+) -> dict[str, Any]:
+    """Train the sharded model a few steps; losses, gradients and parameters of every step.
+    With ``scaler``: fp16 parameters and autocast, a GradScaler, an inf on rank 1 at step 1."""
+    rank = dist.get_rank()
+    dtype = torch.float16 if scaler else torch.bfloat16
+    model = shard(make_model(rows), reshard, dtype)
+    policy = policy_for(recipe)
+    handle = gather_low_precision(model, policy, recompute=checkpoint) if low else None
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    grad_scaler = mixprec.GradScaler("cpu", init_scale=2.0**10) if scaler else None
+    stats = mixprec.Fp8Stats()
+    run = torch.compile(model) if compiled else model
+    losses, grads, skipped = [], [], []
+    for step in range(steps):
+        for micro in range(accumulate):
+            if accumulate > 1:
+                model.set_requires_gradient_sync(micro == accumulate - 1)
+            x, y = batch(rank, step, micro)
+            with stats, mixprec.autocast("cpu", dtype, policy=policy):
+                out = forward(run, x, checkpoint)
+            loss = (out.float() - y).square().mean()
+            (loss if grad_scaler is None else grad_scaler.scale(loss)).backward()
+            losses.append(loss.detach())
+        if grad_scaler is not None and step == 1 and rank == 1:
+            model[0].weight.grad.to_local().view(-1)[0] = float("inf")
+        grads.append([full(p.grad) for p in model.parameters()])
+        if grad_scaler is None:
+            opt.step()
+        else:
+            grad_scaler.step(opt)
+            grad_scaler.update()
+            skipped.append(grad_scaler.last_step_skipped())
+        opt.zero_grad()
+    result: dict[str, Any] = {
+        "losses": losses,
+        "grads": grads,
+        "params": [full(p) for p in model.parameters()],
+        "skipped": skipped,
+        "stats_gathered": {k: v.gathered_bytes for k, v in stats.read().items()},
+    }
+    if handle is not None:
+        result.update(
+            collectives=handle.collectives,
+            gathers=handle.gathers,
+            gather_bytes=handle.gather_bytes,
+            scale_bytes=handle.scale_bytes,
+            names=handle.names,
+        )
+    return result
+
+
+def forward(model: nn.Module, x: torch.Tensor, checkpoint: bool) -> torch.Tensor:
+    if not checkpoint:
+        return model(x)
+    from torch.utils.checkpoint import checkpoint as ckpt
+
+    return ckpt(model, x, use_reentrant=False)
+
+
+# ---------------------------------------------------------------------- scenarios
+
+
+def scenario_parity(rank: int) -> dict[str, Any]:
+    """Every recipe, with and without the gather (reshard_after_forward=True)."""
+    return {r: {"plain": train(r, False), "low": train(r, True)} for r in RECIPES}
+
+
+def scenario_uneven(rank: int) -> dict[str, Any]:
+    """Every recipe at world size 3 (256 rows: shards of 86, 86 and 84), the weights kept
+    unsharded from forward to backward, two micro-batches per step (one scale collective)."""
+    kw: dict[str, Any] = {"rows": 256, "reshard": False, "accumulate": 2, "steps": 2}
+    return {r: {"plain": train(r, False, **kw), "low": train(r, True, **kw)} for r in RECIPES}
+
+
+def scenario_recompute(rank: int) -> dict[str, Any]:
+    """Activation checkpointing: a rowwise weight's backward gather carries both copies."""
+    kw: dict[str, Any] = {"checkpoint": True, "steps": 2}
+    return {
+        r: {"plain": train(r, False, **kw), "low": train(r, True, **kw)}
+        for r in ("rowwise", "nvfp4")
+    }
+
+
+def scenario_scaler(rank: int) -> dict[str, Any]:
+    """fp16 with a GradScaler: an inf on one rank skips the step on both, with the gather too
+    (the weights do not change, so no scale collective either)."""
+    kw: dict[str, Any] = {"scaler": True, "steps": 3}
+    return {r: {"plain": train(r, False, **kw), "low": train(r, True, **kw)} for r in ("mxfp8",)}
+
+
+def scenario_no_recompute(rank: int) -> dict[str, Any]:
+    """Activation checkpointing of a rowwise Linear without recompute=True: refused, by name."""
+    from mixprec.errors import ConfigError
+
+    model = shard(make_model(384), True)
+    policy = policy_for("rowwise")
+    gather_low_precision(model, policy)
+    x, y = batch(rank, 0)
+    with mixprec.autocast("cpu", torch.bfloat16, policy=policy):
+        out = forward(model, x, True)
+    try:
+        (out.float() - y).square().mean().backward()
+    except ConfigError as error:
+        return {"error": str(error)}
+    return {"error": None}
+
+
+def _ckpt_model(gather: bool) -> tuple[nn.Module, Any]:
+    model = shard(make_model(384), True)
+    handle = gather_low_precision(model, policy_for("mxfp8")) if gather else None
+    return model, handle
+
+
+def scenario_ckpt_save(rank: int) -> dict[str, Any]:
+    """Train with the gather, then save: state_dict holds plain tensors; DCP saves them."""
+    import pickle
+
+    import torch.distributed.checkpoint as dcp
+
+    model, _ = _ckpt_model(True)
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    for step in range(2):
+        x, y = batch(rank, step)
+        with mixprec.autocast("cpu", torch.bfloat16, policy=policy_for("mxfp8")):
+            loss = (model(x).float() - y).square().mean()
+        loss.backward()
+        opt.step()
+        opt.zero_grad()
+    state = model.state_dict()
+    locals_ = [v._local_tensor for v in state.values()]
+    dcp.save({"model": state}, checkpoint_id=str(OUTDIR / "dcp"))
+    return {
+        "local_types": sorted({type(t).__name__ for t in locals_}),
+        "attributes": sorted({k for t in locals_ for k in vars(t)}),
+        "pickled": len(pickle.dumps(state)) > 0,
+        "params": {k: full(v) for k, v in state.items()},
+    }
+
+
+def scenario_ckpt_load(rank: int) -> dict[str, Any]:
+    """Another world size loads the checkpoint (with the gather on), then trains a step."""
+    import torch.distributed.checkpoint as dcp
+
+    plain, _ = _ckpt_model(False)  # FSDP2 alone: nothing of mixprec in the loading model
+    plain_state = {"model": plain.state_dict()}
+    dcp.load(plain_state, checkpoint_id=str(OUTDIR / "dcp"))
+    model, handle = _ckpt_model(True)
+    state = {"model": model.state_dict()}
+    dcp.load(state, checkpoint_id=str(OUTDIR / "dcp"))
+    model.load_state_dict(state["model"])
+    loaded = {k: full(v) for k, v in model.state_dict().items()}
+    loaded_plain = {k: full(v) for k, v in plain.state_dict().items()}
+    x, y = batch(rank, 7)
+    with mixprec.autocast("cpu", torch.bfloat16, policy=policy_for("mxfp8")):
+        loss = (model(x).float() - y).square().mean()
+    loss.backward()
+    assert handle is not None
+    return {
+        "params": loaded,
+        "plain_params": loaded_plain,
+        "loss": loss.detach(),
+        "collectives": handle.collectives,
+    }
+
+
+SCENARIOS: dict[str, Callable[[int], Any]] = {
+    name[len("scenario_") :]: fn for name, fn in globals().items() if name.startswith("scenario_")
+}
+
+
+def main(argv: list[str]) -> None:
+    global OUTDIR
+    rank, world = int(argv[0]), int(argv[1])
+    port_file, OUTDIR = Path(argv[2]), Path(argv[3])
+    torch.set_num_threads(1)
+    warnings.simplefilter("ignore", UserWarning)
+    store = rendezvous(rank, world, port_file)
+    dist.init_process_group(
+        "gloo", store=store, rank=rank, world_size=world, timeout=timedelta(seconds=60)
+    )
+    try:
+        for name in argv[4:]:
+            torch.save(SCENARIOS[name](rank), OUTDIR / f"{name}-{rank}.pt")
+            dist.barrier()
+    finally:
+        dist.destroy_process_group()
+
+
+if __name__ == "__main__":
+    main(sys.argv[1:])

@@ -1,0 +1,222 @@
+"""The low-precision all-gather under real FSDP2: gloo worlds of 2 and 3 ranks on 127.0.0.1,
+spawned here (tests/fsdp_gather_worker.py), every recipe, each run against the same run without
+the gather. The workers only record; every assertion is made here. Each world is bounded by a
+hard timeout and its processes are killed in ``finally``.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+import time
+import uuid
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+from torch import nn
+
+from mixprec._src.fp8.carrier import pack_e2m1, unpack_e2m1
+from mixprec._src.fp8.casts import quantize
+from mixprec._src.fp8.gather import orientations
+from mixprec._src.fp8.recipes import RECIPES, get_recipe
+from mixprec.distributed import gather_low_precision
+from mixprec.errors import ConfigError
+
+pytestmark = pytest.mark.skipif(
+    not torch.distributed.is_available(), reason="this torch build has no torch.distributed"
+)
+
+WORKER = Path(__file__).with_name("fsdp_gather_worker.py")
+TIMEOUT_S = 90
+ALL = ("tensorwise", "rowwise", "rowwise_gw_hp", "blockwise", "mxfp8", "nvfp4")
+
+
+def run_world(
+    outdir: Path, world: int, scenarios: list[str], worker: Path = WORKER
+) -> list[dict[str, Any]]:
+    """Run ``scenarios`` in one fresh ``world``-rank world of ``worker``; per rank, each
+    scenario's result."""
+    world_id = uuid.uuid4().hex[:8]
+    port_file = outdir / f"port-{world_id}.txt"
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONWARNINGS": "ignore"}
+    if sys.platform.startswith("linux"):
+        env.setdefault("GLOO_SOCKET_IFNAME", "lo")
+    procs, logs = [], []
+    try:
+        for rank in range(world):
+            log = open(outdir / f"log-{rank}-{world_id}.txt", "w")  # noqa: SIM115 (closed below)
+            logs.append(log)
+            args = [sys.executable, str(worker), str(rank), str(world), str(port_file)]
+            procs.append(
+                subprocess.Popen(
+                    [*args, str(outdir), *scenarios],
+                    stdout=log,
+                    stderr=subprocess.STDOUT,
+                    env=env,
+                    start_new_session=True,
+                )
+            )
+        deadline = time.monotonic() + TIMEOUT_S
+        for proc in procs:
+            proc.wait(timeout=max(0.1, deadline - time.monotonic()))
+    except subprocess.TimeoutExpired:
+        pytest.fail(f"the {world}-rank world did not finish within {TIMEOUT_S} s: {_tails(outdir)}")
+    finally:
+        for proc in procs:
+            if proc.poll() is None:
+                os.killpg(proc.pid, signal.SIGKILL)
+                proc.wait()
+        for log in logs:
+            log.close()
+    codes = [proc.returncode for proc in procs]
+    assert codes == [0] * world, f"worker exit codes {codes}: {_tails(outdir)}"
+    return [
+        {name: torch.load(outdir / f"{name}-{r}.pt", weights_only=False) for name in scenarios}
+        for r in range(world)
+    ]
+
+
+def _tails(outdir: Path) -> str:
+    return "\n".join(
+        f"--- {p.name}\n{p.read_text()[-3000:]}" for p in sorted(outdir.glob("log-*.txt"))
+    )
+
+
+@pytest.fixture(scope="module")
+def worlds(tmp_path_factory: pytest.TempPathFactory) -> dict[int, list[dict[str, Any]]]:
+    """A 2-rank world (parity, recomputation, a checkpoint saved), then a 3-rank one (uneven
+    shards, the checkpoint loaded at another world size)."""
+    outdir = tmp_path_factory.mktemp("gather")
+    two = run_world(outdir, 2, ["parity", "recompute", "scaler", "ckpt_save", "no_recompute"])
+    three = run_world(outdir, 3, ["uneven", "ckpt_load"])
+    return {2: two, 3: three}
+
+
+def _assert_bitwise(run: dict[str, Any]) -> None:
+    plain, low = run["plain"], run["low"]
+    for key in ("losses", "params"):
+        for a, b in zip(plain[key], low[key], strict=True):
+            assert torch.equal(a, b), key
+    for step_a, step_b in zip(plain["grads"], low["grads"], strict=True):
+        for a, b in zip(step_a, step_b, strict=True):
+            assert torch.equal(a, b), "grads"
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("recipe", ALL)
+@pytest.mark.parametrize(("world", "scenario"), [(2, "parity"), (3, "uneven")])
+def test_gather_is_bitwise_the_run_without_it(
+    worlds: dict[int, list[dict[str, Any]]], world: int, scenario: str, recipe: str
+) -> None:
+    """2 ranks (384 rows: shards straddle the 128- and 32-row blocks), reshard_after_forward
+    True; 3 ranks (256 rows: shards of 86, 86, 84), False, two micro-batches per step with
+    set_requires_gradient_sync. A bf16 Linear sits beside the ruled ones."""
+    for rank in worlds[world]:
+        run = rank[scenario][recipe]
+        _assert_bitwise(run)
+        low = run["low"]
+        assert low["names"] == ["0", "2"]  # the bf16 Linear "4" gathers as before
+        steps = len(low["grads"])
+        assert low["collectives"] == steps  # one scale collective per optimizer step
+        forwards = len(low["losses"])
+        gathers_per_forward = 2 if scenario == "parity" else 1  # backward re-gathers
+        assert low["gathers"] == 2 * forwards * gathers_per_forward
+
+
+def _bytes_per_value(run: dict[str, Any], rows: int, world: int) -> float:
+    low = run["low"]
+    values = -(-rows // world) * 128 * 2  # the two ruled weights' padded shards
+    return low["gather_bytes"] / low["gathers"] / (values / 2)
+
+
+@pytest.mark.slow
+def test_only_the_phases_copy_travels(worlds: dict[int, list[dict[str, Any]]]) -> None:
+    """One byte a value per gather (one orientation at a time, even for rowwise), NVFP4's half
+    a byte where the rows divide evenly; both copies where the weight stays unsharded."""
+    two, three = worlds[2][0], worlds[3][0]
+    for recipe in ALL:
+        want = 0.5 if recipe == "nvfp4" else 1.0
+        assert _bytes_per_value(two["parity"][recipe], 384, 2) == want
+        both = 2.0 if len(orientations(get_recipe(recipe))) == 2 else 1.0
+        assert _bytes_per_value(three["uneven"][recipe], 256, 3) == both  # nvfp4 unpacked
+    assert _bytes_per_value(two["recompute"]["rowwise"], 384, 2) == 2.0
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("recipe", ["rowwise", "nvfp4"])
+def test_activation_checkpointing(worlds: dict[int, list[dict[str, Any]]], recipe: str) -> None:
+    for rank in worlds[2]:
+        _assert_bitwise(rank["recompute"][recipe])
+
+
+@pytest.mark.slow
+def test_recomputation_without_recompute_is_refused(
+    worlds: dict[int, list[dict[str, Any]]],
+) -> None:
+    for rank in worlds[2]:
+        error = rank["no_recompute"]["error"]
+        assert error is not None and "recompute=True" in error
+        assert "of Linear '0'" in error or "of Linear '2'" in error
+
+
+@pytest.mark.slow
+def test_scaler_skips_together_and_stats_count_the_bytes(
+    worlds: dict[int, list[dict[str, Any]]],
+) -> None:
+    """fp16 + GradScaler, an inf on rank 1 at step 1: both ranks skip it, with the gather as
+    without; the skipped step changed no weight, so no scale collective ran for it."""
+    for rank in worlds[2]:
+        run = rank["scaler"]["mxfp8"]
+        _assert_bitwise(run)
+        assert run["plain"]["skipped"] == run["low"]["skipped"] == [False, True, False]
+        assert run["low"]["collectives"] == 2
+        forward_bytes = 3 * 192 * 128  # three forwards (the stats' context) of 192 x 128 codes
+        assert run["low"]["stats_gathered"] == {"0": forward_bytes, "2": forward_bytes}
+        assert run["plain"]["stats_gathered"] == {"0": 0, "2": 0}
+
+
+@pytest.mark.slow
+def test_checkpoint_is_plain_and_loads_at_another_world_size(
+    worlds: dict[int, list[dict[str, Any]]],
+) -> None:
+    saved = worlds[2][0]["ckpt_save"]
+    assert saved["local_types"] == ["Tensor"] and saved["attributes"] == []
+    assert saved["pickled"]
+    for rank in worlds[3]:
+        loaded = rank["ckpt_load"]
+        assert loaded.keys() >= {"params", "loss"}
+        for name, value in saved["params"].items():
+            assert torch.equal(value, loaded["params"][name]), name
+            assert torch.equal(value, loaded["plain_params"][name]), name  # FSDP2 alone
+        assert torch.isfinite(loaded["loss"])
+        assert loaded["collectives"] == 1
+
+
+# ---------------------------------------------------------------------- one process
+
+
+@pytest.mark.parametrize("recipe", ["nvfp4"])
+def test_e2m1_packing_round_trips(recipe: str) -> None:
+    torch.manual_seed(0)
+    q, _ = quantize(torch.randn(32, 64), get_recipe(recipe).w, 1)  # type: ignore[arg-type]
+    packed = pack_e2m1(q.codes)
+    assert packed.dtype == torch.uint8 and packed.shape == (32, 32)
+    back = unpack_e2m1(packed)
+    assert torch.equal(back.view(torch.uint8), q.codes.view(torch.uint8))  # -0 kept too
+
+
+def test_orientations_of_every_recipe() -> None:
+    """One copy where the weight's two casts are the same square blocks."""
+    single = {n for n, r in RECIPES.items() if len(orientations(r)) == 1}
+    assert single == {"tensorwise", "blockwise", "nvfp4"}
+
+
+def test_refuses_a_model_that_is_not_sharded() -> None:
+    import mixprec
+
+    with pytest.raises(ConfigError, match="fully_shard"):
+        gather_low_precision(nn.Linear(4, 4), mixprec.Policy("nn.Linear=fp8"))
