@@ -5,7 +5,7 @@ PY     := $(VENV)/bin/python
 STAMP  := $(VENV)/.installed
 CODE   := $(wildcard src tests benchmarks examples)
 
-.PHONY: venv demo test test-other-cpu lint typecheck bench docs-numbers clean
+.PHONY: venv demo test test-torch test-other-cpu lint typecheck bench docs-numbers clean
 
 $(STAMP): pyproject.toml constraints.txt
 	$(PYTHON) -m venv $(VENV)
@@ -33,6 +33,32 @@ typecheck: $(STAMP)
 test: lint typecheck
 	$(PY) -m pytest -q
 
+# The suite on another torch than the pinned one (CI: the oldest declared, the newest installable):
+#   make test-torch TORCH=2.14.1
+# Its own venv with constraints.txt's pins but that torch, the [test,progress,plot] dependencies
+# only (read from pyproject.toml) and mixprec from src/ (no install, so one venv serves any
+# checkout); the integration extras pin torch-dependent versions and are left out (their tests
+# skip, saying so). torch wheels other than the pinned CPU one are CUDA builds: they run on the CPU.
+TORCH      ?=
+TORCH_VENV ?= .venv-torch-$(TORCH)
+TORCH_PY   := $(TORCH_VENV)/bin/python
+EXTRA_DEPS := import sys, tomllib; p = tomllib.load(open("pyproject.toml", "rb"))["project"]; \
+	print("\n".join(p["dependencies"] + [r for e in sys.argv[1:] for r in p["optional-dependencies"][e]]))
+
+$(TORCH_VENV)/.installed: pyproject.toml constraints.txt
+	@test -n "$(TORCH)" || { echo "usage: make test-torch TORCH=<version>"; exit 2; }
+	$(PYTHON) -m venv $(TORCH_VENV)
+	$(TORCH_PY) -m pip install -q --upgrade pip
+	grep -v '^torch==' constraints.txt > $(TORCH_VENV)/constraints.txt
+	echo 'torch==$(TORCH)' >> $(TORCH_VENV)/constraints.txt
+	$(TORCH_PY) -c '$(EXTRA_DEPS)' test progress plot > $(TORCH_VENV)/requirements.txt
+	$(TORCH_PY) -m pip install -q -c $(TORCH_VENV)/constraints.txt -r $(TORCH_VENV)/requirements.txt
+	touch $@
+
+test-torch: $(TORCH_VENV)/.installed
+	$(TORCH_PY) -c 'import torch; print("torch", torch.__version__)'
+	PYTHONPATH=src $(TORCH_PY) -m pytest -q -p no:cacheprovider
+
 # The suite as another x86 CPU runs it: torch's, MKL's and oneDNN's kernels held to SSE4 (other
 # vector widths and blockings round float sums differently) on one thread. A test that pins one
 # machine's digits fails here.
@@ -47,4 +73,4 @@ docs-numbers: $(STAMP)
 	$(PY) -m tests.test_docs_numbers --write
 
 clean:
-	rm -rf $(VENV) build dist *.egg-info src/*.egg-info .pytest_cache .mypy_cache .ruff_cache
+	rm -rf $(VENV) .venv-torch-* build dist *.egg-info src/*.egg-info .pytest_cache .mypy_cache .ruff_cache

@@ -15,9 +15,9 @@ from typing import Any
 
 import torch
 from torch import nn
-from torch.utils._pytree import tree_flatten, tree_map
 
 from mixprec._src.advisor.metrics import Power
+from mixprec._src.torch_compat import tree_flatten, tree_map
 
 _SEQUENCE = itertools.count()
 
