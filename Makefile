@@ -36,9 +36,10 @@ test: lint typecheck
 # The suite on another torch than the pinned one (CI: the oldest declared, the newest installable):
 #   make test-torch TORCH=2.14.1
 # Its own venv with constraints.txt's pins but that torch, the [test,progress,plot] dependencies
-# only (read from pyproject.toml) and mixprec from src/ (no install, so one venv serves any
-# checkout); the integration extras pin torch-dependent versions and are left out (their tests
-# skip, saying so). torch wheels other than the pinned CPU one are CUDA builds: they run on the CPU.
+# (read from pyproject.toml) and mixprec run from src/ (PYTHONPATH: one venv serves any checkout;
+# the copy installed without dependencies is there for its metadata, which test_packaging reads).
+# The integration extras pin torch-dependent versions and are left out (their tests skip, saying
+# so). torch wheels other than the pinned CPU one are CUDA builds: they run on the CPU.
 TORCH      ?=
 TORCH_VENV ?= .venv-torch-$(TORCH)
 TORCH_PY   := $(TORCH_VENV)/bin/python
@@ -53,11 +54,12 @@ $(TORCH_VENV)/.installed: pyproject.toml constraints.txt
 	echo 'torch==$(TORCH)' >> $(TORCH_VENV)/constraints.txt
 	$(TORCH_PY) -c '$(EXTRA_DEPS)' test progress plot > $(TORCH_VENV)/requirements.txt
 	$(TORCH_PY) -m pip install -q -c $(TORCH_VENV)/constraints.txt -r $(TORCH_VENV)/requirements.txt
+	$(TORCH_PY) -m pip install -q --no-deps .
 	touch $@
 
 test-torch: $(TORCH_VENV)/.installed
 	$(TORCH_PY) -c 'import torch; print("torch", torch.__version__)'
-	PYTHONPATH=src $(TORCH_PY) -m pytest -q -p no:cacheprovider
+	PYTHONPATH=$(CURDIR)/src $(TORCH_PY) -m pytest -q -p no:cacheprovider
 
 # The suite as another x86 CPU runs it: torch's, MKL's and oneDNN's kernels held to SSE4 (other
 # vector widths and blockings round float sums differently) on one thread. A test that pins one

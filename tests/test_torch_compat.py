@@ -19,6 +19,7 @@ import torch.nn.functional as F
 from torch.utils.checkpoint import checkpoint
 
 from mixprec._src import torch_compat as tc
+from mixprec._src.autocast.native import policies_for
 from mixprec._src.devices import caps
 
 _INF, _NAN = float("inf"), float("nan")
@@ -182,3 +183,23 @@ def test_tree_helpers_flatten_and_map_nested_containers() -> None:
     mapped = tc.tree_map(lambda v: v + 1 if torch.is_tensor(v) else v, tree)
     assert mapped["x"][1][1] == 3 and torch.equal(mapped["y"], c + 1)
     assert isinstance(mapped["x"][1], tuple)
+
+
+def test_torch_release_is_the_installed_version() -> None:
+    major, minor = (int(p) for p in torch.__version__.split(".")[:2])
+    assert (major, minor) == tc.TORCH_RELEASE
+
+
+def test_native_policies_follow_the_release() -> None:
+    """The ops only some releases register (autocast/native.py), seen from both sides of each
+    boundary; the installed release's own table is checked against its dispatcher in
+    test_autocast_report."""
+    old, pinned, new = (policies_for(r, cudnn=False) for r in ((2, 12), (2, 13), (2, 14)))
+    assert old["cuda"]["aten::sum.dim_DimnameList"] == "fp32_set_opt_dtype"
+    assert "aten::sum.dim_DimnameList" not in pinned["cuda"]
+    assert pinned["cpu"]["aten::qr"] == "fp32" and "aten::qr" not in new["cpu"]
+    assert new["cuda"]["aten::linalg_matrix_sqrth"] == "fp32"
+    assert "aten::linalg_matrix_sqrth" not in pinned["cuda"]
+    assert set(pinned["cpu"]) - set(old["cpu"]) == set()
+    assert "aten::_cudnn_rnn" in policies_for((2, 13), cudnn=True)["cuda"]
+    assert "aten::_cudnn_rnn" not in pinned["cuda"]

@@ -22,6 +22,13 @@ import torch.utils._pytree as _pytree
 # oldest declared, the pinned and the newest installable). Every name below exists on all of them;
 # where one is missing on a torch outside the declared range, ``import mixprec`` fails naming it.
 
+#: The installed torch's release, ``(major, minor)`` (``"2.14.1+cu130"``: ``(2, 14)``), for tables
+#: that differ between releases (autocast/native.py's op table).
+TORCH_RELEASE: tuple[int, int] = (
+    int(torch.__version__.split(".")[0]),
+    int(torch.__version__.split(".")[1]),
+)
+
 #: ``_amp_foreach_non_finite_check_and_unscale_(grads, found_inf, inv_scale)``: multiplies every
 #: grad by ``inv_scale`` in place and sets ``found_inf`` to 1 if any *input* value is inf/NaN. The
 #: kernel torch's GradScaler runs (CPU and CUDA; devices.py's ``amp_kernels`` column says where).
