@@ -15,12 +15,10 @@ from typing import Any
 
 import pytest
 import torch
-import torch.nn.functional as F
 from torch.utils.checkpoint import checkpoint
 
 from mixprec._src import torch_compat as tc
 from mixprec._src.autocast.native import policies_for
-from mixprec._src.devices import caps
 
 _INF, _NAN = float("inf"), float("nan")
 
@@ -99,15 +97,6 @@ def test_scaled_mm_takes_the_arguments_mixprec_passes() -> None:
         use_fast_accum=False,
     )
     torch.testing.assert_close(out, (a @ b) * 0.125, rtol=0, atol=0)
-
-
-def test_block_scaled_mm_flag_names_what_the_block_kernels_use() -> None:
-    if tc.HAS_BLOCK_SCALED_MM:
-        for name in ("BlockWise1x32", "BlockWise1x16", "TensorWise"):
-            assert hasattr(F.ScalingType, name)
-        for name in ("SWIZZLE_32_4_4", "NO_SWIZZLE"):
-            assert hasattr(F.SwizzleType, name)
-    assert caps("cuda").block_scaled_mm == tc.HAS_BLOCK_SCALED_MM
 
 
 class _Probe(torch.autograd.Function):

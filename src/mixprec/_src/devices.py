@@ -20,8 +20,6 @@ from dataclasses import dataclass
 
 import torch
 
-from mixprec._src import torch_compat
-
 
 @dataclass(frozen=True)
 class DeviceCaps:
@@ -37,8 +35,7 @@ class DeviceCaps:
         block_scaled_mm: ``torch.nn.functional.scaled_mm`` takes block scales here (MXFP8's
             1x32 E8M0 scales, NVFP4's 1x16 E4M3 scales with a tensor scale, 1x128 and 128x128
             fp32 scales) as a fast kernel. Which of them a given device runs is a further
-            runtime check (its compute capability); the others take the emulated path. Off
-            where torch lacks the function (``torch_compat.HAS_BLOCK_SCALED_MM``).
+            runtime check (its compute capability); the others take the emulated path.
         wide_float: the widest float dtype worth accumulating in (norms, sums, ``1/scale``).
         autocast_key: the name of native autocast's dispatch key for this type, if any.
         host_memory: tensors live in host memory, so reading one on the host costs no
@@ -84,7 +81,7 @@ _TABLE: dict[str, DeviceCaps] = {
         amp_kernels=True,
         fused_optimizers=True,
         fp8_scaled_mm=True,
-        block_scaled_mm=torch_compat.HAS_BLOCK_SCALED_MM,
+        block_scaled_mm=True,
         autocast_key="AutocastCUDA",
         collective_backend="nccl",
     ),

@@ -13,14 +13,14 @@ from collections.abc import Callable
 from typing import Any
 
 import torch
-import torch.nn.functional as F
 import torch.utils._pytree as _pytree
 
 # ---------------------------------------------------------------- kernels, scaling, fp8, devices
 #
-# Checked on torch 2.8.0, 2.12.1, 2.13.0 and 2.14.1 (tests/test_torch_compat.py on each, CI on the
-# oldest declared, the pinned and the newest installable). Every name below exists on all of them;
-# where one is missing on a torch outside the declared range, ``import mixprec`` fails naming it.
+# Checked on torch 2.12.1 (the oldest declared), 2.13.0 (pinned) and 2.14.1 (the newest
+# installable): tests/test_torch_compat.py on each, in CI. Every name below exists on all three,
+# and on 2.8.0 too; where one is missing (a torch outside the declared range), ``import mixprec``
+# fails with torch's AttributeError naming it.
 
 #: The installed torch's release, ``(major, minor)`` (``"2.14.1+cu130"``: ``(2, 14)``), for tables
 #: that differ between releases (autocast/native.py's op table).
@@ -45,14 +45,10 @@ foreach_clamp_min_ = torch._foreach_clamp_min_
 foreach_clamp_max_ = torch._foreach_clamp_max_
 foreach_copy_ = torch._foreach_copy_
 
-#: ``_scaled_mm``: the tensorwise and rowwise fp8 matmul (a fast kernel on CUDA with fp8 support;
+#: ``_scaled_mm``: the tensorwise and rowwise fp8 matmul (the block-scaled ones are the public
+#: ``F.scaled_mm``, in every declared release) (a fast kernel on CUDA with fp8 support;
 #: on the CPU oneDNN's reference kernel, which mixprec never calls).
 scaled_mm = torch._scaled_mm
-
-#: Whether ``F.scaled_mm`` (with ``F.ScalingType``/``F.SwizzleType``: the block-scaled matmul of
-#: MXFP8, NVFP4 and the 128-blocks) exists: public, but absent on 2.8.0. Where it is absent,
-#: devices.py's ``block_scaled_mm`` column is off for CUDA too and those recipes run emulated.
-HAS_BLOCK_SCALED_MM: bool = hasattr(F, "scaled_mm") and hasattr(F, "ScalingType")
 
 
 def running_backward() -> bool:
