@@ -5,7 +5,7 @@ PY     := $(VENV)/bin/python
 STAMP  := $(VENV)/.installed
 CODE   := $(wildcard src tests benchmarks examples)
 
-.PHONY: venv demo test test-torch test-other-cpu lint typecheck bench docs-numbers clean
+.PHONY: venv demo test test-torch test-torches test-other-cpu lint typecheck bench docs-numbers clean
 
 $(STAMP): pyproject.toml constraints.txt
 	$(PYTHON) -m venv $(VENV)
@@ -33,8 +33,10 @@ typecheck: $(STAMP)
 test: lint typecheck
 	$(PY) -m pytest -q
 
-# The suite on another torch than the pinned one (CI: the oldest declared, the newest installable):
-#   make test-torch TORCH=2.14.1
+# The suite on another torch than the pinned one: make test-torch TORCH=2.14.1. CI runs
+# test-torches: the oldest torch pyproject.toml declares and the newest installable.
+TORCH_OLDEST := 2.12.1
+TORCH_NEWEST := 2.14.1
 # Its own venv with constraints.txt's pins but that torch, the [test,progress,plot] dependencies
 # (read from pyproject.toml) and mixprec run from src/ (PYTHONPATH: one venv serves any checkout;
 # the copy installed without dependencies is there for its metadata, which test_packaging reads).
@@ -56,6 +58,10 @@ $(TORCH_VENV)/.installed: pyproject.toml constraints.txt
 	$(TORCH_PY) -m pip install -q -c $(TORCH_VENV)/constraints.txt -r $(TORCH_VENV)/requirements.txt
 	$(TORCH_PY) -m pip install -q --no-deps .
 	touch $@
+
+test-torches:
+	$(MAKE) test-torch TORCH=$(TORCH_OLDEST)
+	$(MAKE) test-torch TORCH=$(TORCH_NEWEST)
 
 test-torch: $(TORCH_VENV)/.installed
 	$(TORCH_PY) -c 'import torch; print("torch", torch.__version__)'

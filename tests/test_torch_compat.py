@@ -9,8 +9,10 @@ declared torch, the pinned one and the newest installable (``make test-torch TOR
 from __future__ import annotations
 
 import math
+import re
 import subprocess
 import sys
+from pathlib import Path
 from typing import Any
 
 import pytest
@@ -192,3 +194,15 @@ def test_native_policies_follow_the_release() -> None:
     assert set(pinned["cpu"]) - set(old["cpu"]) == set()
     assert "aten::_cudnn_rnn" in policies_for((2, 13), cudnn=True)["cuda"]
     assert "aten::_cudnn_rnn" not in pinned["cuda"]
+
+
+def test_ci_runs_the_oldest_declared_torch() -> None:
+    """The Makefile's TORCH_OLDEST (what CI's ``make test-torches`` runs) is the floor that
+    pyproject.toml declares, so the declared range is the tested one."""
+    root = Path(__file__).resolve().parent.parent
+    floor = re.search(
+        r'^dependencies = \["torch>=([\d.]+)"\]$', (root / "pyproject.toml").read_text(), re.M
+    )
+    oldest = re.search(r"^TORCH_OLDEST := (\S+)$", (root / "Makefile").read_text(), re.M)
+    assert floor is not None and oldest is not None
+    assert floor[1] == ".".join(oldest[1].split(".")[:2])
