@@ -260,19 +260,16 @@ def _in_processes(names: list[str], argv: list[str], args: argparse.Namespace) -
     """Each compiled configuration timed in a fresh process, ``args.repeats`` times (the order
     shuffled per repeat): the median over processes of each process's median."""
     runs: dict[str, list[float]] = {name: [] for name in names}
+    order = list(names)
     for _ in range(args.repeats):
-        random.shuffle(names)
-        for name in names:
+        random.shuffle(order)
+        for name in order:
             cmd = [sys.executable, __file__, *argv, "--only-compiled", name]
             done = subprocess.run(cmd, capture_output=True, text=True)
             if done.returncode != 0:
                 raise SystemExit(f"{name} (compiled) failed:\n{done.stderr[-3000:]}")
             runs[name].append(float(done.stdout.split()[-1]))
-    return {name: statistics.median(runs[name]) for name in sorted(runs, key=_order)}
-
-
-def _order(name: str) -> tuple[int, str]:
-    return (0 if name in ("fp32", "bf16 autocast") else 1, name.split()[-1] + name)
+    return {name: statistics.median(runs[name]) for name in names}
 
 
 def _child(

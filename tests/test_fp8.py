@@ -11,6 +11,7 @@ from __future__ import annotations
 import copy
 import dataclasses
 import math
+import re
 from collections import Counter
 from typing import Any
 
@@ -322,3 +323,5 @@ def test_bench_fp8_prints_its_tables(capsys: pytest.CaptureFixture[str]) -> None
     for recipe in bench.TORCHAO_NAME:
         assert f"| torchao {recipe}" in out
     assert out.count("| eager ") == 2 + len(RECIPES) + len(bench.TORCHAO_NAME)
+    for recipe in bench.TORCHAO_NAME:  # mixprec's time over torchao's, per recipe
+        assert re.search(rf"^- eager {recipe}: \d+\.\d\dx \((met|NOT met)\)$", out, re.M)
