@@ -206,3 +206,15 @@ def test_ci_runs_the_oldest_declared_torch() -> None:
     oldest = re.search(r"^TORCH_OLDEST := (\S+)$", (root / "Makefile").read_text(), re.M)
     assert floor is not None and oldest is not None
     assert floor[1] == ".".join(oldest[1].split(".")[:2])
+
+
+def test_every_entry_of_the_section_is_checked_here() -> None:
+    """Each name the "kernels, scaling, fp8, devices" section defines is used by a test above."""
+    source = Path(tc.__file__).read_text()
+    section = source.split("# ---------------------------------------------------------------- ")
+    (ours,) = [s for s in section if s.startswith("kernels, scaling, fp8, devices")]
+    names = set(re.findall(r"^(?:def )?([A-Za-z]\w*)\b(?:: [^=]+)? ?[=(]", ours, re.M))
+    assert {"amp_update_scale_", "running_backward", "TORCH_RELEASE"} <= names
+    this = Path(__file__).read_text()
+    unchecked = [n for n in names if f"tc.{n}" not in this and f"import {n}" not in this]
+    assert sorted(unchecked) == []
