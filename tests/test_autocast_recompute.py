@@ -19,6 +19,7 @@ from torch.utils.checkpoint import (
 
 import mixprec
 from mixprec import Policy
+from mixprec._src.torch_compat import TORCH_RELEASE
 
 BF16 = torch.bfloat16
 aten = torch.ops.aten
@@ -101,13 +102,18 @@ def test_every_checkpoint_kind_recomputes_exactly(policy: str) -> None:
 
 def test_torch_autocast_fails_selective_checkpointing_with_a_shared_weight() -> None:
     """Why mixprec's training regions cast per use: torch's weight cache breaks this
-    (pytorch#193338); torch's own workaround, cache_enabled=False, computes what mixprec does."""
+    (pytorch#193338: torch 2.13 on raise, 2.12 computes other gradients without a word); torch's
+    own workaround, cache_enabled=False, computes what mixprec does."""
     torch.manual_seed(0)
     net, x = Shared(), torch.randn(4, 8)
-    with pytest.raises(RuntimeError, match=r"_to_copy.*not found in storage"):
-        _step(net, "selective", lambda: torch.autocast("cpu", dtype=BF16), x)
-    ours = _step(net, "selective", lambda: mixprec.autocast("cpu", BF16), x)
     no_cache = _step(net, "none", lambda: torch.autocast("cpu", dtype=BF16, cache_enabled=False), x)
+    if TORCH_RELEASE >= (2, 13):
+        with pytest.raises(RuntimeError, match=r"_to_copy.*not found in storage"):
+            _step(net, "selective", lambda: torch.autocast("cpu", dtype=BF16), x)
+    else:
+        cached = _step(net, "selective", lambda: torch.autocast("cpu", dtype=BF16), x)
+        assert not _bitwise(cached, no_cache)
+    ours = _step(net, "selective", lambda: mixprec.autocast("cpu", BF16), x)
     assert _bitwise(ours, no_cache)
 
 

@@ -65,8 +65,9 @@ def test_native_table_matches_the_installed_torch() -> None:
             f"{dev}: table lists ops torch no longer registers: {missing}; "
             f"torch registers ops the table lacks: {extra}. Update mixprec._src.autocast.native."
         )
-    assert len(registered_autocast_ops("cpu")) == 127
-    assert len(registered_autocast_ops("cuda")) == 119
+    # (the table differs between torch releases: native.policies_for; test_torch_compat)
+    assert {"aten::mm", "aten::linear"} <= registered_autocast_ops("cpu")
+    assert {"aten::mm", "aten::linear"} <= registered_autocast_ops("cuda")
 
 
 def test_native_table_agrees_with_cpu_behaviour() -> None:

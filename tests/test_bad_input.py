@@ -122,8 +122,11 @@ def test_scale_maps_nested_containers_and_keeps_their_types() -> None:
 def test_scale_of_a_dict_of_losses_trains() -> None:
     rig = Rig()
     rig.scaler.update()  # end the rig's iteration
+    scale = rig.scaler.get_scale()
     losses = {k: m(torch.randn(4, 3)).sum() for k, m in zip("ab", rig.modules, strict=True)}
     scaled = rig.scaler.scale(losses)
+    assert type(scaled) is dict and list(scaled) == ["a", "b"]
+    assert all(torch.equal(scaled[k], losses[k] * scale) for k in losses)  # (a power of two)
     (scaled["a"] + scaled["b"]).backward()
     rig.finish()
 

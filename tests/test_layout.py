@@ -207,3 +207,99 @@ def test_import_mixprec_loads_no_integration_and_no_cli() -> None:
     )
     done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
     assert done.stdout.split() == []
+
+
+# Private torch names (torch._C, torch._foreach_*, torch.utils._pytree, ...) are reached through
+# mixprec._src.torch_compat only, and so are these private attributes torch keeps on its objects
+# (a tensor's version counter, a module's dicts and hook dicts, the optimizer's AMP flag).
+TORCH_PRIVATE_ATTRS = {
+    "_version",
+    "_buffers",
+    "_parameters",
+    "_modules",
+    "_forward_hooks",
+    "_forward_pre_hooks",
+    "_backward_hooks",
+    "_backward_pre_hooks",
+    "_global_forward_hooks",
+    "_global_forward_pre_hooks",
+    "_step_supports_amp_scaling",
+}
+PRIVATE_TORCH_ALLOWED = {
+    "mixprec._src.torch_compat": "the one module that holds them",
+    # moved by the autocast rework (#32 item 5): the coordinator removes these two entries.
+    "mixprec._src.autocast": "moved by the autocast rework",
+    "mixprec._src.fp8.hook": "moved by the autocast rework",
+}
+
+
+def _private(parts: list[str]) -> bool:
+    return any(p.startswith("_") and not (p.startswith("__") and p.endswith("__")) for p in parts)
+
+
+def _chain(node: ast.Attribute) -> list[str] | None:
+    """``torch.a.b`` as ``["a", "b"]``; None when the chain does not start at the name torch."""
+    parts: list[str] = []
+    cur: ast.expr = node
+    while isinstance(cur, ast.Attribute):
+        parts.append(cur.attr)
+        cur = cur.value
+    return parts[::-1] if isinstance(cur, ast.Name) and cur.id == "torch" else None
+
+
+def private_torch_uses(source: str) -> list[str]:
+    """The private torch names and attributes ``source`` uses, as ``line: name``."""
+    tree = ast.parse(source)
+    inner = {id(n.value) for n in ast.walk(tree) if isinstance(n, ast.Attribute)}
+    found: list[str] = []
+    for node in ast.walk(tree):
+        names: list[str] = []
+        if isinstance(node, ast.Attribute):
+            parts = _chain(node)
+            if parts is not None and _private(parts) and id(node) not in inner:
+                names.append("torch." + ".".join(parts))
+            receiver = node.value
+            if node.attr in TORCH_PRIVATE_ATTRS and getattr(receiver, "id", None) != "self":
+                names.append(f"<object>.{node.attr}")
+        elif isinstance(node, ast.Import):
+            names += [a.name for a in node.names if a.name.startswith("torch.")]
+            names = [n for n in names if _private(n.split("."))]
+        elif isinstance(node, ast.ImportFrom) and (node.module or "").split(".")[0] == "torch":
+            module = (node.module or "").split(".")
+            names += [f"{node.module}.{a.name}" for a in node.names if _private([*module, a.name])]
+        elif isinstance(node, ast.Call) and getattr(node.func, "id", None) in (
+            "getattr",
+            "hasattr",
+        ):
+            arg = node.args[1] if len(node.args) > 1 else None
+            if isinstance(arg, ast.Constant) and arg.value in TORCH_PRIVATE_ATTRS:
+                names.append(f"<object>.{arg.value}")
+        found += [f"{node.lineno}: {n}" for n in names]
+    return sorted(set(found))
+
+
+def test_the_private_torch_scan_finds_each_form() -> None:
+    source = (
+        "import torch\nimport torch._dynamo\nfrom torch._C import x\n"
+        "from torch.utils import _pytree\n"
+        "torch._foreach_mul_(a, b)\n"
+        "y = t._version\nz = getattr(o, '_step_supports_amp_scaling')\n"
+        "ok = torch.__version__, self._version, torch.nn.functional.linear\n"
+    )
+    assert private_torch_uses(source) == [
+        "2: torch._dynamo",
+        "3: torch._C.x",
+        "4: torch.utils._pytree",
+        "5: torch._foreach_mul_",
+        "6: <object>._version",
+        "7: <object>._step_supports_amp_scaling",
+    ]
+
+
+def test_private_torch_names_only_in_torch_compat() -> None:
+    def allowed(name: str) -> bool:
+        return any(name == a or name.startswith(a + ".") for a in PRIVATE_TORCH_ALLOWED)
+
+    uses = {n: private_torch_uses(p.read_text()) for n, p in MODULES.items() if not allowed(n)}
+    assert {n: u for n, u in uses.items() if u} == {}
+    assert private_torch_uses(MODULES["mixprec._src.torch_compat"].read_text()) != []

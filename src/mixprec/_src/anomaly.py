@@ -25,6 +25,7 @@ from torch import nn
 from torch.utils.hooks import RemovableHandle
 from torch.utils.weak import WeakTensorKeyDictionary
 
+from mixprec._src import torch_compat
 from mixprec._src.caller import warn_at_caller
 from mixprec.errors import ConfigError, NonFiniteError, OverflowRiskWarning
 
@@ -204,11 +205,12 @@ class NonFiniteFinder:
         # A parent returning its child's output tensor unchanged: already checked, no second
         # sync. Changed in place since (its version moved): checked again, and blamed here.
         checked = self._checked
-        tensors = [t for t in _float_tensors(output) if checked.get(t) != t._version]
+        version = torch_compat.version_counter
+        tensors = [t for t in _float_tensors(output) if checked.get(t) != version(t)]
         if not tensors:
             return
         for t in tensors:
-            checked[t] = t._version
+            checked[t] = version(t)
         name = self._names[module]
         for t, (bad, biggest) in zip(tensors, _stats(tensors), strict=True):
             if bad:

@@ -36,6 +36,7 @@ from typing import Any
 import torch
 from torch.utils.hooks import RemovableHandle
 
+from mixprec._src import torch_compat
 from mixprec._src.optim import MASTERS, masters_of, split_closure
 from mixprec.errors import ConfigError
 
@@ -158,7 +159,7 @@ class MasterWeights:
         """
         if self.pairs:
             low, masters = zip(*self.pairs, strict=True)
-            torch._foreach_copy_(list(low), list(masters))
+            torch_compat.foreach_copy_(list(low), list(masters))
 
     @torch.no_grad()
     def reseed(self) -> None:
@@ -216,7 +217,7 @@ class _GradLink:
         self.low = low
         self.master = master
         self.placeholder = torch.zeros((), dtype=low.dtype, device=low.device).expand(low.shape)
-        self.version = self.placeholder._version
+        self.version = torch_compat.version_counter(self.placeholder)
         with torch.enable_grad():  # the node is reached through a view's graph
             view = low.view_as(low)
         assert view.grad_fn is not None
@@ -231,7 +232,8 @@ class _GradLink:
 
     def _before(self, grad_outputs: Any) -> None:
         current = self.low.grad
-        if current is not self.placeholder or self.placeholder._version != self.version:
+        changed = torch_compat.version_counter(self.placeholder) != self.version
+        if current is not self.placeholder or changed:
             self.master.grad = None  # the model's grad was cleared, zeroed or replaced
         if current is self.placeholder:
             self.low.grad = None
@@ -245,7 +247,7 @@ class _GradLink:
             else:
                 self.master.grad.add_(grad)
         param.grad = self.placeholder
-        self.version = self.placeholder._version
+        self.version = torch_compat.version_counter(self.placeholder)
 
 
 def _add_group_converting(optimizer: _Optimizer, param_group: dict[str, Any]) -> None:

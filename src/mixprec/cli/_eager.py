@@ -11,10 +11,11 @@ The numbers are torch's: ``tests/test_demo.py`` checks the demo's scaled run bit
 
 from __future__ import annotations
 
-import inspect
 from typing import Any
 
 import torch
+
+from mixprec._src.torch_compat import without_dynamo_wrapper
 
 __all__ = ["EagerAdam"]
 
@@ -22,8 +23,8 @@ __all__ = ["EagerAdam"]
 class EagerAdam(torch.optim.Adam):
     """``torch.optim.Adam`` for eager loops that never compile (see the module docstring)."""
 
-    add_param_group = inspect.unwrap(torch.optim.Optimizer.add_param_group)
-    zero_grad = inspect.unwrap(torch.optim.Optimizer.zero_grad)
+    add_param_group = without_dynamo_wrapper(torch.optim.Optimizer.add_param_group)
+    zero_grad = without_dynamo_wrapper(torch.optim.Optimizer.zero_grad)
 
     def step(self, closure: Any = None) -> Any:
         """``torch.optim.Adam.step`` under ``torch.no_grad()`` (what its wrapper does when
@@ -32,4 +33,4 @@ class EagerAdam(torch.optim.Adam):
         Host sync: none.
         """
         with torch.no_grad():
-            return inspect.unwrap(torch.optim.Adam.step)(self, closure)
+            return without_dynamo_wrapper(torch.optim.Adam.step)(self, closure)

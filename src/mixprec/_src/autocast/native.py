@@ -22,8 +22,9 @@ live here too.
 
 **Op lists.** Which ops have a native ``Autocast<Device>`` kernel is read from the dispatcher at
 run time. The *policy* of each kernel (lower precision, fp32, promote, ...) is not exposed by
-torch, so mixprec keeps a table for torch 2.13 (``KNOWN_POLICIES``) and checks it against the
-dispatcher: :func:`check_native_table` reports drift and the test suite fails loudly on it. Ops
+torch, so mixprec keeps a table (``KNOWN_POLICIES``, for the installed release: the ops every
+declared release registers and those only some do) and checks it against the dispatcher:
+:func:`check_native_table` reports drift and the test suite fails loudly on it. Ops
 the dispatcher registers but the table does not know are reported as ``"unknown"``, never guessed.
 """
 
@@ -36,6 +37,7 @@ from typing import Any, TypeVar
 
 import torch
 
+from mixprec._src import torch_compat
 from mixprec._src.devices import autocast_device_types, caps
 from mixprec.errors import ConfigError, UnsupportedDeviceError
 
@@ -398,7 +400,7 @@ mkldnn_rnn_layer conv_transpose1d conv_transpose2d.input conv_transpose3d.input 
 scaled_dot_product_attention _native_multi_head_attention"""
 _CPU_FP32 = """avg_pool3d binary_cross_entropy grid_sampler polar prod prod.dim_int quantile
 quantile.scalar nanquantile nanquantile.scalar stft stft.center cdist grid_sampler_2d
-_grid_sampler_2d_cpu_fallback grid_sampler_3d trace view_as_complex cholesky cholesky_inverse
+_grid_sampler_2d_cpu_fallback grid_sampler_3d trace view_as_complex cholesky_inverse
 cholesky_solve inverse lu_solve orgqr ormqr pinverse max_pool3d max_unpool2d max_unpool3d
 adaptive_avg_pool3d reflection_pad1d reflection_pad2d replication_pad1d replication_pad2d
 replication_pad3d mse_loss cosine_embedding_loss nll_loss nll_loss2d hinge_embedding_loss
@@ -409,31 +411,79 @@ fft_fftn fft_ifftn fft_rfft fft_irfft fft_rfft2 fft_irfft2 fft_rfftn fft_irfftn 
 linalg_cond linalg_cond.p_str linalg_matrix_rank linalg_matrix_rank.tol_tensor
 linalg_matrix_rank.atol_rtol_tensor linalg_matrix_rank.atol_rtol_float linalg_solve
 linalg_cholesky linalg_svdvals linalg_eigvals linalg_eigvalsh linalg_inv linalg_householder_product
-linalg_tensorinv linalg_tensorsolve fake_quantize_per_tensor_affine geqrf _lu_with_info qr svd
+linalg_tensorinv linalg_tensorsolve fake_quantize_per_tensor_affine geqrf _lu_with_info svd
 triangular_solve fractional_max_pool2d fractional_max_pool3d adaptive_max_pool3d
 multilabel_margin_loss_forward linalg_qr linalg_cholesky_ex linalg_svd linalg_eig linalg_eigh
 linalg_lstsq linalg_inv_ex"""
 _CPU_PROMOTE = "stack cat index_copy"
 
 
+Release = tuple[int, int]
+
+#: Ops that only some of the declared torch releases register natively: ``(device type, op,
+#: policy, since, until)``, ``since`` the first release with it and ``until`` the first without it
+#: (None: every declared release on that side). Each overload has its op's policy (torch's
+#: ``autocast_mode.cpp`` lists them side by side); ``linalg_matrix_sqrth`` refuses fp16 and bf16
+#: inputs, so fp32 is its only possible policy (the one CPU autocast shows).
+_SOME_RELEASES: tuple[tuple[str, str, str, Release | None, Release | None], ...] = (
+    ("cpu", "cholesky", "fp32", None, (2, 14)),
+    ("cpu", "qr", "fp32", None, (2, 14)),
+    ("cpu", "linalg_matrix_sqrth", "fp32", (2, 14), None),
+    ("cuda", "linalg_matrix_sqrth", "fp32", (2, 14), None),
+    # named-tensor overloads, no longer registered from torch 2.13 on
+    ("cpu", "index_copy.dimname", "promote", None, (2, 13)),
+    ("cpu", "prod.dim_Dimname", "fp32", None, (2, 13)),
+    ("cuda", "prod.dim_Dimname", "fp32_set_opt_dtype", None, (2, 13)),
+    ("cuda", "cumprod.dimname", "fp32_set_opt_dtype", None, (2, 13)),
+    ("cuda", "cumsum.dimname", "fp32_set_opt_dtype", None, (2, 13)),
+    ("cuda", "softmax.Dimname", "fp32_set_opt_dtype", None, (2, 13)),
+    ("cuda", "log_softmax.Dimname", "fp32_set_opt_dtype", None, (2, 13)),
+    ("cuda", "sum.dim_DimnameList", "fp32_set_opt_dtype", None, (2, 13)),
+    ("cuda", "norm.names_ScalarOpt_dim", "fp32_append_dtype", None, (2, 13)),
+)
+
+
 def _table(groups: dict[str, str]) -> dict[str, str]:
     return {f"aten::{op}": policy for policy, ops in groups.items() for op in ops.split()}
 
 
-#: Native autocast policy per op for torch 2.13, by device type (checked against the dispatcher).
-KNOWN_POLICIES: dict[str, dict[str, str]] = {
-    "cuda": _table(
-        {
-            "lower_precision_fp": _CUDA_LOW,
-            "fp32": _CUDA_FP32,
-            "fp32_set_opt_dtype": _CUDA_SET_OPT,
-            "fp32_append_dtype": _CUDA_APPEND,
-            "promote": _CUDA_PROMOTE,
-            "banned": "binary_cross_entropy",
-        }
-    ),
-    "cpu": _table({"lower_precision_fp": _CPU_LOW, "fp32": _CPU_FP32, "promote": _CPU_PROMOTE}),
-}
+def policies_for(release: Release, cudnn: bool) -> dict[str, dict[str, str]]:
+    """Native autocast's policy per op, by device type, for a torch ``release`` (``(2, 14)``)
+    built with or without cuDNN (a cuDNN build registers its RNN kernel, ``aten::_cudnn_rnn``,
+    which casts to the lower precision).
+
+    Example:
+        >>> policies_for((2, 14), cudnn=False)["cpu"]["aten::linalg_matrix_sqrth"]
+        'fp32'
+
+    Host sync: none.
+    """
+    tables = {
+        "cuda": _table(
+            {
+                "lower_precision_fp": _CUDA_LOW,
+                "fp32": _CUDA_FP32,
+                "fp32_set_opt_dtype": _CUDA_SET_OPT,
+                "fp32_append_dtype": _CUDA_APPEND,
+                "promote": _CUDA_PROMOTE,
+                "banned": "binary_cross_entropy",
+            }
+        ),
+        "cpu": _table({"lower_precision_fp": _CPU_LOW, "fp32": _CPU_FP32, "promote": _CPU_PROMOTE}),
+    }
+    for device_type, op, policy, since, until in _SOME_RELEASES:
+        if (since is None or release >= since) and (until is None or release < until):
+            tables[device_type][f"aten::{op}"] = policy
+    if cudnn:
+        tables["cuda"]["aten::_cudnn_rnn"] = "lower_precision_fp"
+    return tables
+
+
+#: Native autocast policy per op for the installed torch, by device type (checked against the
+#: dispatcher by :func:`check_native_table`, on every declared release in CI).
+KNOWN_POLICIES: dict[str, dict[str, str]] = policies_for(
+    torch_compat.TORCH_RELEASE, torch.backends.cudnn.is_available()
+)
 
 
 @functools.cache
@@ -467,7 +517,7 @@ def check_native_table(device_type: str) -> tuple[list[str], list[str]]:
         registers that the table does not know.
 
     Example:
-        >>> check_native_table("cpu")  # empty on torch 2.13
+        >>> check_native_table("cpu")  # empty on every torch the package declares
         ([], [])
 
     Host sync: none.

@@ -29,10 +29,7 @@ def dtensor_type() -> Any:
     """
     if not initialized():
         return None
-    try:
-        from torch.distributed.tensor import DTensor
-    except ImportError:  # torch < 2.5
-        from torch.distributed._tensor import DTensor
+    from torch.distributed.tensor import DTensor
     return DTensor
 
 

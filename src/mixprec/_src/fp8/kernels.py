@@ -16,6 +16,7 @@ from typing import NamedTuple
 import torch
 import torch.nn.functional as F
 
+from mixprec._src import torch_compat
 from mixprec._src.fp8.casts import Quantized
 from mixprec._src.fp8.recipes import Cast
 
@@ -123,7 +124,7 @@ def tensor_row_mm(a: Side, b: Side, out: torch.dtype, fast_accum: bool) -> torch
     if rowwise and not fast_accum:
         post, ia, ib = ia * ib, ia.new_ones(()), ia.new_ones(())
     kernel_out = torch.bfloat16 if rowwise else out  # rowwise kernels write bf16 only
-    res = torch._scaled_mm(
+    res = torch_compat.scaled_mm(
         qa.contiguous(),
         bt.contiguous().t(),
         scale_a=ia,

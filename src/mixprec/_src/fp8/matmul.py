@@ -24,6 +24,7 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 
+from mixprec._src import torch_compat
 from mixprec._src.devices import caps
 from mixprec._src.fp8 import kernels
 from mixprec._src.fp8.carrier import gathered
@@ -158,7 +159,7 @@ class Fp8Linear(torch.autograd.Function):
         r = plan.recipe
         assert r.x is not None and r.w is not None  # every recipe runs the output cast
         # A forward run inside backward is a checkpoint recomputation: its casts were recorded.
-        record = plan.slot is not None and torch._C._current_graph_task_id() == -1
+        record = plan.slot is not None and not torch_compat.running_backward()
         qx = _cast(plan, x2d, r.x, 1, _INPUT, True, record)
         qw = gathered(weight, 1) or _cast(plan, weight, r.w, 1, _WEIGHT, True, record)
         out = _mm(plan, Side(qx, r.x), Side(qw, r.w, True), fast_accum=True, count=record)

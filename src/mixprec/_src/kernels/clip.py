@@ -44,6 +44,7 @@ from typing import NamedTuple
 
 import torch
 
+from mixprec._src import torch_compat
 from mixprec._src.devices import caps
 from mixprec._src.kernels.plan import GradPlan, GroupKey, group_grads
 from mixprec._src.kernels.unscale import found_inf_on
@@ -222,7 +223,7 @@ def _group_norms(grads: list[torch.Tensor], norm_type: float) -> torch.Tensor:
             lows = torch.stack([pair.min for pair in pairs])
             highs = torch.stack([pair.max for pair in pairs])
             return torch.maximum(highs, lows.neg())
-    return torch.stack(torch._foreach_norm(grads, norm_type))
+    return torch.stack(torch_compat.foreach_norm(grads, norm_type))
 
 
 def _multiply_(
@@ -238,11 +239,11 @@ def _multiply_(
     if caps(device).amp_kernels and dtype == torch.float32:
         # Flags non-finite *inputs* (the scaled grads), like torch's unscale_.
         factor32 = factor.to(device=device, dtype=torch.float32)
-        torch._amp_foreach_non_finite_check_and_unscale_(grads, found, factor32)
+        torch_compat.amp_unscale_and_check_(grads, found, factor32)
         if not check_output:
             return
     else:
-        torch._foreach_mul_(grads, factor.to(device))
+        torch_compat.foreach_mul_(grads, factor.to(device))
     torch.maximum(found, non_finite.to(device), out=found)
 
 
@@ -259,5 +260,5 @@ def clamp_(plan: GradPlan, clip_value: float) -> None:
                 for grad in grads:
                     grad.clamp_(-value, value)
             else:
-                torch._foreach_clamp_min_(grads, -value)
-                torch._foreach_clamp_max_(grads, value)
+                torch_compat.foreach_clamp_min_(grads, -value)
+                torch_compat.foreach_clamp_max_(grads, value)

@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import torch
 
+from mixprec._src import torch_compat
 from mixprec._src.devices import caps
 from mixprec._src.kernels.plan import GradPlan
 
@@ -81,11 +82,11 @@ def _unscale_groups_(
             inv = inv_scale if same else inv_scale.to(device, non_blocking=True)
             inv_by_device[device] = inv
         if caps(device).amp_kernels:
-            torch._amp_foreach_non_finite_check_and_unscale_(grads, found, inv)
+            torch_compat.amp_unscale_and_check_(grads, found, inv)
             if check_output:
                 _any_non_finite_(grads, found)
         else:
-            torch._foreach_mul_(grads, inv)
+            torch_compat.foreach_mul_(grads, inv)
             _any_non_finite_(grads, found)
 
 
@@ -121,7 +122,7 @@ def _any_non_finite_(grads: list[torch.Tensor], found: torch.Tensor) -> None:
         one = _ONE.get(found.device)  # (a constant: not created at every check)
         if one is None:
             one = _ONE[found.device] = torch.ones((), dtype=torch.float32, device=found.device)
-        torch._amp_foreach_non_finite_check_and_unscale_(grads, found, one)
+        torch_compat.amp_unscale_and_check_(grads, found, one)
         return
     flags = torch.stack([torch.logical_not(torch.isfinite(g)).any() for g in grads])
     found.copy_(torch.maximum(found, flags.any().to(found.dtype)))

@@ -11,7 +11,7 @@ from typing import Any
 import torch
 from torch.utils.hooks import RemovableHandle
 
-from mixprec._src import optim
+from mixprec._src import optim, torch_compat
 from mixprec._src.dist.agree import validate_group
 from mixprec._src.dist.state import DistState
 from mixprec._src.kernels import clip
@@ -131,7 +131,7 @@ class GradScaler:
         record = self._phases.begin_step(optimizer, scaled)
         if call is not None:
             return step_with_closure(self, self._phases, optimizer, record, call)
-        if not getattr(optimizer, "_step_supports_amp_scaling", False):
+        if not torch_compat.steps_with_amp_scaling(optimizer):
             return self._step_plain(optimizer, record, args, kwargs)
         if not optim.takes_grad_scaler(optimizer):
             first = optim.needs_first_step_read(optimizer)  # (its state is created by this step)

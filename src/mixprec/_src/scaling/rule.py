@@ -25,6 +25,7 @@ from typing import NamedTuple
 
 import torch
 
+from mixprec._src import torch_compat
 from mixprec._src.devices import caps
 from mixprec._src.scaling.config import INT32_MAX, ScalerConfig, to_f32
 
@@ -101,7 +102,7 @@ def advance_(
     caller derives it from the flags), and the floor is applied if ``clamp`` (the caller knows
     when one backoff cannot reach it). Host sync: none."""
     if config.is_torch_rule and caps(tensors.scale.device).amp_kernels:
-        torch._amp_update_scale_(
+        torch_compat.amp_update_scale_(
             tensors.scale,
             tensors.growth_tracker,
             found_inf,

@@ -17,6 +17,7 @@ from typing import Any
 import torch
 from torch import nn
 
+from mixprec._src import torch_compat
 from mixprec._src.autocast.modules import module_records, restore_module_records
 from mixprec.errors import ConfigError
 
@@ -42,7 +43,7 @@ class Guard:
         self._grads = [p.grad for p in self.params]
         for p in self.params:
             p.grad = None
-        self._versions = [p._version for p in self.params]
+        self._versions = [torch_compat.version_counter(p) for p in self.params]
         for mod in self.model.modules():
             for name, buf in mod.named_buffers(recurse=False):
                 self._buffers.append((mod, name, buf, buf.detach().clone()))
@@ -75,7 +76,7 @@ class Guard:
     def check_parameters(self) -> None:
         """Raise if a pass modified a parameter in place (the advisor cannot undo that)."""
         for p, version in zip(self.params, self._versions, strict=True):
-            if p._version != version:
+            if torch_compat.version_counter(p) != version:
                 name = next(n for n, q in self.model.named_parameters() if q is p)
                 raise ConfigError(
                     f"the loss function modified parameter {name!r} in place during a forward "
@@ -86,8 +87,8 @@ class Guard:
     def _restore_buffers(self) -> None:
         with torch.no_grad():
             for mod, name, buf, saved in self._buffers:
-                if mod._buffers.get(name) is not buf:
-                    mod._buffers[name] = buf  # the pass replaced the buffer object
+                if getattr(mod, name, None) is not buf:
+                    setattr(mod, name, buf)  # the pass replaced the buffer object
                 buf.copy_(saved)
 
     def __exit__(

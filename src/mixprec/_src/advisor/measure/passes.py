@@ -27,7 +27,6 @@ from typing import Any
 
 import torch
 from torch import nn
-from torch.utils._pytree import tree_flatten, tree_map
 
 from mixprec._src.advisor.arguments import LOSS_FORM, Candidate
 from mixprec._src.advisor.measure.guard import Guard
@@ -39,6 +38,7 @@ from mixprec._src.autocast.region import autocast
 from mixprec._src.fp8 import hook as fp8_hook
 from mixprec._src.fp8.recipes import get_recipe
 from mixprec._src.fp8.stats import Fp8Stats
+from mixprec._src.torch_compat import tree_flatten, tree_map
 from mixprec.errors import ConfigError
 
 #: Powers of two of headroom between the largest reference gradient times the proposed initial

@@ -1,0 +1,220 @@
+"""Every entry of torch_compat's "kernels, scaling, fp8, devices" section, on the running torch.
+
+Each check holds the private name to an independent reference written with public tensor ops
+(or to the behaviour mixprec relies on), so a torch that renames, removes or changes one fails
+here by name instead of deep inside a scaler or fp8 test. CI runs this file on the oldest
+declared torch, the pinned one and the newest installable (``make test-torch TORCH=...``).
+"""
+
+from __future__ import annotations
+
+import math
+import re
+import subprocess
+import sys
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+from torch.utils.checkpoint import checkpoint
+
+from mixprec._src import torch_compat as tc
+from mixprec._src.autocast.native import policies_for
+
+_INF, _NAN = float("inf"), float("nan")
+
+
+def _grads() -> list[torch.Tensor]:
+    g = torch.Generator().manual_seed(0)
+    return [torch.randn(5, generator=g), torch.randn(3, 4, generator=g), torch.zeros(0)]
+
+
+@pytest.mark.parametrize("bad", [None, _INF, -_INF, _NAN])
+def test_amp_unscale_and_check_multiplies_and_flags_non_finite_inputs(bad: float | None) -> None:
+    grads = _grads()
+    if bad is not None:
+        grads[1][2, 1] = bad
+    expected = [g * 0.25 for g in grads]
+    found = torch.zeros(())
+    tc.amp_unscale_and_check_(grads, found, torch.tensor(0.25))
+    for got, want in zip(grads, expected, strict=True):
+        torch.testing.assert_close(got, want, rtol=0, atol=0, equal_nan=True)
+    assert found.item() == (0.0 if bad is None else 1.0)
+
+
+def test_amp_unscale_and_check_leaves_a_set_flag_set() -> None:
+    found = torch.ones(())
+    tc.amp_unscale_and_check_(_grads(), found, torch.tensor(1.0))
+    assert found.item() == 1.0
+
+
+def _rule(scale: float, tracker: int, found: bool, interval: int) -> tuple[float, int]:
+    """torch.amp's documented update: halve and reset on overflow, double after ``interval``."""
+    if found:
+        return scale * 0.5, 0
+    if tracker + 1 == interval:
+        return scale * 2.0, 0
+    return scale, tracker + 1
+
+
+@pytest.mark.parametrize(("tracker", "found"), [(0, False), (1, False), (2, False), (1, True)])
+def test_amp_update_scale_follows_the_documented_rule(tracker: int, found: bool) -> None:
+    scale, growth = torch.tensor(1024.0), torch.tensor(tracker, dtype=torch.int32)
+    tc.amp_update_scale_(scale, growth, torch.tensor(float(found)), 2.0, 0.5, 3)
+    assert (scale.item(), growth.item()) == _rule(1024.0, tracker, found, 3)
+
+
+def test_foreach_kernels_match_their_per_tensor_forms() -> None:
+    grads = _grads()
+    want_mul = [g * 3.0 for g in grads]
+    want_clamp = [g.clamp(-0.5, 0.5) for g in want_mul]
+    for p in (1.0, 2.0, math.inf):
+        kept = grads if p != math.inf else grads[:2]  # (the inf-norm of nothing is refused)
+        norms = tc.foreach_norm(kept, p)
+        want = [torch.linalg.vector_norm(g, p) for g in kept]
+        torch.testing.assert_close(torch.stack(norms), torch.stack(want), rtol=1e-6, atol=0)
+    tc.foreach_mul_(grads, torch.tensor(3.0))
+    assert all(torch.equal(g, w) for g, w in zip(grads, want_mul, strict=True))
+    tc.foreach_clamp_min_(grads, -0.5)
+    tc.foreach_clamp_max_(grads, 0.5)
+    assert all(torch.equal(g, w) for g, w in zip(grads, want_clamp, strict=True))
+    low = [torch.empty_like(g, dtype=torch.bfloat16) for g in grads]
+    tc.foreach_copy_(low, grads)
+    assert all(torch.equal(lo, g.bfloat16()) for lo, g in zip(low, grads, strict=True))
+
+
+def test_scaled_mm_takes_the_arguments_mixprec_passes() -> None:
+    """Tensorwise e4m3 operands (exact small integers) and fp32 inverse scales, as
+    fp8/kernels.py calls it; on the CPU this is oneDNN's reference kernel (tiny shapes only)."""
+    a = torch.arange(-8, 8, dtype=torch.float32).reshape(16, 1).expand(16, 16).contiguous()
+    b = torch.eye(16)[:, :16] * 2
+    qa, qb = a.to(torch.float8_e4m3fn), b.t().contiguous().to(torch.float8_e4m3fn).t()
+    out = tc.scaled_mm(
+        qa,
+        qb,
+        scale_a=torch.tensor(0.5),
+        scale_b=torch.tensor(0.25),
+        out_dtype=torch.float32,
+        use_fast_accum=False,
+    )
+    torch.testing.assert_close(out, (a @ b) * 0.125, rtol=0, atol=0)
+
+
+class _Probe(torch.autograd.Function):
+    seen: list[bool] = []  # noqa: RUF012 (a test's record)
+
+    @staticmethod
+    def forward(ctx: Any, x: torch.Tensor) -> torch.Tensor:
+        _Probe.seen.append(tc.running_backward())
+        ctx.save_for_backward(x)  # (so that the non-reentrant form recomputes)
+        return x.clone()
+
+    @staticmethod
+    def backward(ctx: Any, grad: torch.Tensor) -> torch.Tensor:
+        _Probe.seen.append(tc.running_backward())
+        (x,) = ctx.saved_tensors
+        return grad * x
+
+
+@pytest.mark.parametrize("reentrant", [True, False])
+def test_running_backward_is_true_in_backward_and_in_a_recomputation(reentrant: bool) -> None:
+    _Probe.seen = []
+    x = torch.ones(3, requires_grad=True)
+    y = checkpoint(_Probe.apply, x, use_reentrant=reentrant)
+    y.sum().backward()
+    assert _Probe.seen == [False, True, True]  # forward, recomputed forward, backward
+    assert tc.running_backward() is False
+
+
+def test_version_counter_counts_in_place_changes_only() -> None:
+    t = torch.zeros(3)
+    start = tc.version_counter(t)
+    _ = t + 1
+    assert tc.version_counter(t) == start
+    t.add_(1)
+    t[0] = 5
+    assert tc.version_counter(t) == start + 2
+
+
+def test_steps_with_amp_scaling_names_the_fused_optimizers() -> None:
+    params = [torch.nn.Parameter(torch.zeros(2))]
+    assert tc.steps_with_amp_scaling(torch.optim.Adam(params, fused=True))
+    assert not tc.steps_with_amp_scaling(torch.optim.Adam(params))
+    assert not tc.steps_with_amp_scaling(torch.optim.SGD(params, lr=0.1))
+    assert not tc.steps_with_amp_scaling(object())
+
+
+def test_without_dynamo_wrapper_runs_the_optimizer_without_importing_dynamo() -> None:
+    """torch's wrapped methods import torch._dynamo at their first call, the unwrapped ones do not
+    (a fresh interpreter, so that nothing else imported it first)."""
+    code = (
+        "import sys, torch\n"
+        "from mixprec._src.torch_compat import without_dynamo_wrapper as plain\n"
+        "class Plain(torch.optim.SGD):\n"
+        "    add_param_group = plain(torch.optim.Optimizer.add_param_group)\n"
+        "    zero_grad = plain(torch.optim.Optimizer.zero_grad)\n"
+        "p = torch.nn.Parameter(torch.ones(2))\n"
+        "opt = Plain([p], lr=0.5)\n"
+        "p.grad = torch.ones(2)\n"
+        "opt.zero_grad()\n"
+        "print(p.grad is None, len(opt.param_groups), 'torch._dynamo' in sys.modules)\n"
+        "torch.optim.SGD([p], lr=0.5)\n"
+        "print('torch._dynamo' in sys.modules)\n"
+    )
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
+    assert done.stdout.split() == ["True", "1", "False", "True"]
+
+
+def test_tree_helpers_flatten_and_map_nested_containers() -> None:
+    a, b, c = torch.zeros(1), torch.ones(1), torch.full((1,), 2.0)
+    tree = {"x": [a, (b, 3)], "y": c}
+    leaves, _spec = tc.tree_flatten(tree)
+    assert [id(v) if torch.is_tensor(v) else v for v in leaves] == [id(a), id(b), 3, id(c)]
+    mapped = tc.tree_map(lambda v: v + 1 if torch.is_tensor(v) else v, tree)
+    assert mapped["x"][1][1] == 3 and torch.equal(mapped["y"], c + 1)
+    assert isinstance(mapped["x"][1], tuple)
+
+
+def test_torch_release_is_the_installed_version() -> None:
+    major, minor = (int(p) for p in torch.__version__.split(".")[:2])
+    assert (major, minor) == tc.TORCH_RELEASE
+
+
+def test_native_policies_follow_the_release() -> None:
+    """The ops only some releases register (autocast/native.py), seen from both sides of each
+    boundary; the installed release's own table is checked against its dispatcher in
+    test_autocast_report."""
+    old, pinned, new = (policies_for(r, cudnn=False) for r in ((2, 12), (2, 13), (2, 14)))
+    assert old["cuda"]["aten::sum.dim_DimnameList"] == "fp32_set_opt_dtype"
+    assert "aten::sum.dim_DimnameList" not in pinned["cuda"]
+    assert pinned["cpu"]["aten::qr"] == "fp32" and "aten::qr" not in new["cpu"]
+    assert new["cuda"]["aten::linalg_matrix_sqrth"] == "fp32"
+    assert "aten::linalg_matrix_sqrth" not in pinned["cuda"]
+    assert set(pinned["cpu"]) - set(old["cpu"]) == set()
+    assert "aten::_cudnn_rnn" in policies_for((2, 13), cudnn=True)["cuda"]
+    assert "aten::_cudnn_rnn" not in pinned["cuda"]
+
+
+def test_ci_runs_the_oldest_declared_torch() -> None:
+    """The Makefile's TORCH_OLDEST (what CI's ``make test-torches`` runs) is the floor that
+    pyproject.toml declares, so the declared range is the tested one."""
+    root = Path(__file__).resolve().parent.parent
+    floor = re.search(
+        r'^dependencies = \["torch>=([\d.]+)"\]$', (root / "pyproject.toml").read_text(), re.M
+    )
+    oldest = re.search(r"^TORCH_OLDEST := (\S+)$", (root / "Makefile").read_text(), re.M)
+    assert floor is not None and oldest is not None
+    assert floor[1] == ".".join(oldest[1].split(".")[:2])
+
+
+def test_every_entry_of_the_section_is_checked_here() -> None:
+    """Each name the "kernels, scaling, fp8, devices" section defines is used by a test above."""
+    source = Path(tc.__file__).read_text()
+    section = source.split("# ---------------------------------------------------------------- ")
+    (ours,) = [s for s in section if s.startswith("kernels, scaling, fp8, devices")]
+    names = set(re.findall(r"^(?:def )?([A-Za-z]\w*)\b(?:: [^=]+)? ?[=(]", ours, re.M))
+    assert {"amp_update_scale_", "running_backward", "TORCH_RELEASE"} <= names
+    this = Path(__file__).read_text()
+    unchecked = [n for n in names if f"tc.{n}" not in this and f"import {n}" not in this]
+    assert sorted(unchecked) == []
