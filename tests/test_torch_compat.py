@@ -218,3 +218,84 @@ def test_every_entry_of_the_section_is_checked_here() -> None:
     this = Path(__file__).read_text()
     unchecked = [n for n in names if f"tc.{n}" not in this and f"import {n}" not in this]
     assert sorted(unchecked) == []
+
+
+def test_aten_unsafe_view_is_a_view_op() -> None:
+    x = torch.arange(6.0)
+    y = tc.aten_unsafe_view(x, [2, 3])
+    assert y.shape == (2, 3) and torch.equal(y.reshape(-1), x)
+
+
+def test_wrapper_subclass_and_disabled_torch_function() -> None:
+    class Empty(torch.Tensor):
+        __torch_function__ = tc.disabled_torch_function  # type: ignore[assignment]
+
+        @classmethod
+        def __torch_dispatch__(cls, func: Any, types: Any, args: Any = (), kwargs: Any = None):  # type: ignore[no-untyped-def]
+            seen.append(func)
+            return torch.zeros(2, 3)
+
+    seen: list[Any] = []
+    t = tc.wrapper_subclass(Empty, (2, 3), torch.bfloat16, torch.device("cpu"))
+    assert type(t) is Empty and t.shape == (2, 3) and t.dtype == torch.bfloat16
+    t.neg()  # no torch_function layer: straight to dispatch
+    assert seen == [torch.ops.aten.neg.default]
+
+
+def test_preserve_version_counter_keeps_the_count() -> None:
+    x = torch.zeros(3)
+    before = tc.version_counter(x)
+    with tc.preserve_version_counter(x):
+        x.add_(1)
+    assert tc.version_counter(x) == before and x.sum().item() == 3.0
+
+
+def test_dynamo_disable_runs_eagerly_under_compile() -> None:
+    calls = []
+
+    @tc.dynamo_disable
+    def eager(x: torch.Tensor) -> torch.Tensor:
+        calls.append(torch.compiler.is_compiling())
+        return x + 1
+
+    out = torch.compile(lambda x: eager(x) * 2, backend="eager")(torch.ones(2))
+    assert torch.equal(out, torch.full((2,), 4.0)) and calls == [False]
+
+
+def test_fsdp2_entries_on_a_one_rank_world() -> None:
+    """The FSDP2 accessors fp8/gather.py uses, on a real (one-rank gloo) fully_shard."""
+    import torch.distributed as dist
+    from torch.distributed.fsdp import fully_shard
+
+    store = dist.HashStore()
+    dist.init_process_group("gloo", store=store, rank=0, world_size=1)
+    try:
+        model = torch.nn.Sequential(torch.nn.Linear(4, 3), torch.nn.Linear(3, 2))
+        fully_shard(model[0], reshard_after_forward=True)
+        fully_shard(model)
+        tc.fsdp_lazy_init(model)
+        group = tc.fsdp_param_group(model[0])
+        weight, _bias = group.fsdp_params
+        owner, name = tc.fsdp_param_owner(weight)
+        assert owner is model[0] and name == "weight"
+        assert tc.fsdp_shard_info(weight)[:2] == (0, 1)
+        assert tc.fsdp_padded_shard(weight).shape == (3, 4)
+        assert tc.fsdp_param_dtype(weight) == torch.float32
+        assert not tc.fsdp_unsupported(weight) and tc.fsdp_extension_ready(weight)
+        assert not tc.fsdp_keeps_unsharded(group)  # resharded after forward
+        assert tc.fsdp_keeps_unsharded(tc.fsdp_param_group(model))  # the root keeps its own
+        seen = []
+
+        def pre(mesh: Any, outer_size: Any, outer_stride: Any, module: Any, mp_policy: Any) -> Any:
+            seen.append("pre")
+            return (tc.fsdp_padded_shard(weight),), None
+
+        def post(outputs: Any, metadata: Any, param_dtype: Any, *, out: Any = None) -> Any:
+            seen.append("post")
+            return outputs[0], ()
+
+        tc.fsdp_attach_extension(weight, pre, post)
+        model(torch.ones(1, 4)).sum().backward()
+        assert "pre" in seen and "post" in seen
+    finally:
+        dist.destroy_process_group()

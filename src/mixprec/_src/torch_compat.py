@@ -93,6 +93,11 @@ def without_dynamo_wrapper(function: Callable[..., Any]) -> Callable[..., Any]:
 tree_flatten = _pytree.tree_flatten
 tree_map = _pytree.tree_map
 
+#: ``aten._unsafe_view``: the view ATen's own kernels return (e.g. a reshape of a matmul's
+#: output); fp8/carrier.py lets it through as an alias of the gathered weight. An ATen op, not a
+#: Python API, but private by name. Checked on 2.12.1, 2.13.0, 2.14.1.
+aten_unsafe_view = torch.ops.aten._unsafe_view.default
+
 
 # FSDP2's all-gather extension (fp8/gather.py): ``FSDPParam`` (torch.distributed.fsdp.
 # _fully_shard._fsdp_param), its ``FSDPParamGroup`` and FSDP's state are private. Checked on
@@ -158,11 +163,6 @@ def fsdp_keeps_unsharded(group: Any) -> bool:
     """Whether the group keeps its parameters unsharded from forward to backward
     (``reshard_after_forward=False``, and FSDP's root)."""
     return group.post_forward_mesh_info is None
-
-
-def in_backward() -> bool:
-    """Whether autograd's engine is running a backward on this thread (FSDP2's own test)."""
-    return bool(torch._C._current_graph_task_id() != -1)
 
 
 def preserve_version_counter(tensor: torch.Tensor) -> Any:

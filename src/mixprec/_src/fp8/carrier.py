@@ -19,7 +19,6 @@ from dataclasses import dataclass, field
 from typing import Any
 
 import torch
-from torch.utils._pytree import tree_map
 
 from mixprec._src import torch_compat
 from mixprec._src.fp8.casts import Quantized, dequantize
@@ -94,7 +93,7 @@ class Gathered(torch.Tensor):
                 "its recipe's matmul: the Linear's rule did not serve this call. Run its "
                 "forward inside mixprec.autocast with the policy given to gather_low_precision."
             )
-        return func(*tree_map(_values, args), **tree_map(_values, kwargs))
+        return func(*torch_compat.tree_map(_values, args), **torch_compat.tree_map(_values, kwargs))
 
 
 def _values(x: Any) -> Any:
@@ -109,7 +108,7 @@ _ALIASES: set[Callable[..., Any]] = {
     torch.ops.aten.alias.default,
     torch.ops.aten.as_strided.default,
     torch.ops.aten.view.default,
-    torch.ops.aten._unsafe_view.default,
+    torch_compat.aten_unsafe_view,
 }
 _MATMULS: set[Callable[..., Any]] = {
     torch.ops.aten.mm.default,

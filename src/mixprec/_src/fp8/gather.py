@@ -148,7 +148,7 @@ class _Weight:
             return (0,)
         if self.owner.recompute or torch_compat.fsdp_keeps_unsharded(self.group):
             return (0, 1)
-        return (1,) if torch_compat.in_backward() else (0,)
+        return (1,) if torch_compat.running_backward() else (0,)
 
     def codes(self, i: int) -> torch.Tensor:
         """This rank's padded rows cast per orientation ``i``, as uint8 bytes for the wire."""
@@ -241,7 +241,7 @@ class LowPrecisionGather:
 
         Host sync: none (the collective is queued on the mesh's group).
         """
-        versions = [w.fsdp_param.sharded_param._version for w in self.weights]
+        versions = [torch_compat.version_counter(w.fsdp_param.sharded_param) for w in self.weights]
         if not force and all(v == w.version for v, w in zip(versions, self.weights, strict=True)):
             return False
         parts = [w.partials() for w in self.weights]
