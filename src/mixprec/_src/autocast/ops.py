@@ -10,8 +10,9 @@ wrapped composites, are not seen (see docs/autocast.md).
 restoring native autocast but not this mode, so a recompute would run the ops without their rules
 (non-reentrant checkpoint then fails its metadata check; reentrant checkpoint silently computes
 different gradients). When an op rule applies inside a checkpointed forward, the mode wraps that
-checkpoint's recompute function so that it runs under the same rule table. Module rules need no
-wrapper: their per-module hooks replay themselves (:mod:`.modules`).
+checkpoint's recompute function so that it runs under the same rule table. Module rules replay
+the same way: the first module call inside a checkpoint's forward wraps its recompute function with
+the forward's context (:func:`capture_for_recompute`, :class:`.modules.Snapshot`).
 
 This reads two private parts of ``torch.utils.checkpoint`` (torch 2.13): the
 ``_CheckpointFrame`` that the non-reentrant forward's saved-tensor hook closes over (its
@@ -99,6 +100,38 @@ def replay_in(target: Target, table: Mapping[str, Rule], device_type: str) -> No
             return fn(*args, **kwargs)
 
     setattr(recompute, _REPLAYS, (*replays, (table, device_type)))
+    setattr(recompute, _SNAPSHOT, getattr(fn, _SNAPSHOT, None))
+    setattr(owner, attr, recompute)
+
+
+_SNAPSHOT = "_mixprec_snapshot"  # attribute of a wrapper: the forward context it replays
+
+
+def capture_for_recompute(snapshot: Callable[[], Any]) -> None:
+    """Inside a checkpoint's forward (eager), make its recomputation replay the context
+    ``snapshot()`` captures now (once per checkpoint: the first module call inside it).
+    The snapshot has a ``replaying()`` context manager.
+
+    Example:
+        >>> capture_for_recompute(lambda: None)  # outside a checkpoint: nothing to do
+
+    Host sync: none.
+    """
+    target = current_checkpoint()
+    if target is None:
+        return
+    owner, attr = target
+    fn = getattr(owner, attr)
+    if getattr(fn, _SNAPSHOT, None) is not None:
+        return
+    snap = snapshot()
+
+    def recompute(*args: Any, **kwargs: Any) -> Any:
+        with snap.replaying():
+            return fn(*args, **kwargs)
+
+    setattr(recompute, _SNAPSHOT, snap)
+    setattr(recompute, _REPLAYS, getattr(fn, _REPLAYS, ()))
     setattr(owner, attr, recompute)
 
 
