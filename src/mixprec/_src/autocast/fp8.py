@@ -34,33 +34,40 @@ if TYPE_CHECKING:
 
 
 def check_class_reach(
-    policy: Policy, ran: set[object], roots: list[nn.Module]
+    policy: Policy, ran: set[object], served: set[object], roots: list[nn.Module]
 ) -> ConfigError | None:
-    """The error for fp8 class rules that no module of the models run in a region took
-    (``"nn.Linear=fp8"`` on a model without a Linear), or None. ``ran``: the policy keys of
-    the fp8-family rules that ran.
+    """The error for fp8-family rules that served no matmul in a whole region, or None: a class
+    rule no module took (``"nn.Linear=fp8"`` on a model without a Linear), or a rule whose
+    modules ran and served nothing (``"norm=fp8"``: a LayerNorm has no matmul). ``ran`` and
+    ``served``: the policy keys of the fp8-family rules that ran, and that served a matmul.
 
     Example:
         >>> from mixprec import Policy
         >>> net = nn.Sequential(nn.Conv1d(2, 2, 1))
-        >>> print(check_class_reach(Policy("nn.Linear=fp8"), set(), [net]))
+        >>> print(check_class_reach(Policy("nn.Linear=fp8"), set(), set(), [net]))
         module rule nn.Linear=fp8 served no module in this region: ...
 
     Host sync: none.
     """
     missing = [
-        f"{class_label(t)}={r}"
-        for t, r in policy.class_rules.items()
-        if r.fp8_family and t not in ran
+        f"{class_label(t)}={r}" for t, r in policy.class_rules.items() if r.fp8_family and t not in ran
     ]
-    if not missing:
-        return None
+    idle = [f"{class_label(t)}={r}" for t, r in policy.class_rules.items() if t in ran - served]
+    idle += [f"{g}={r}" for g, r in policy.name_rules.items() if g in ran - served]
     models = ", ".join(type(r).__name__ for r in roots[:3])
-    return ConfigError(
-        f"module rule {', '.join(missing)} served no module in this region: the models run "
-        f"here ({models}) hold no module of that class (fp8 serves {SERVES}). Drop the rule, "
-        "name the modules it should serve, or pass Policy(..., strict=False) to allow it."
-    )
+    if missing:
+        return ConfigError(
+            f"module rule {', '.join(missing)} served no module in this region: the models run "
+            f"here ({models}) hold no module of that class (fp8 serves {SERVES}). Drop the "
+            "rule, name the modules it should serve, or pass Policy(..., strict=False) to allow it."
+        )
+    if idle:
+        return ConfigError(
+            f"module rule {', '.join(idle)} ran on modules of {models} that issued no matmul on "
+            f"their weights in this region (fp8 serves {SERVES}). Name the modules it should "
+            "serve, or pass Policy(..., strict=False) to allow it."
+        )
+    return None
 
 
 def check_attention(root: nn.Module, plan_rules: dict[int, Any]) -> None:

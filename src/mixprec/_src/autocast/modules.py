@@ -59,7 +59,17 @@ from mixprec.errors import ConfigError
 class Frame:
     """The mixprec part of one active region in one thread. Host sync: none."""
 
-    __slots__ = ("calls_len", "device_type", "dtype", "enabled", "fp8_on", "policy", "ran", "roots")
+    __slots__ = (
+        "calls_len",
+        "device_type",
+        "dtype",
+        "enabled",
+        "fp8_on",
+        "policy",
+        "ran",
+        "roots",
+        "served",
+    )
 
     def __init__(
         self,
@@ -76,6 +86,7 @@ class Frame:
         self.policy = policy
         self.roots: list[nn.Module] = []  # the roots that ran while this frame was innermost
         self.ran: set[object] = set()  # the policy keys of the fp8-family rules that ran
+        self.served: set[object] = set()  # those of them that served a matmul
         self.calls_len = 0
 
 
@@ -105,7 +116,8 @@ class Call:
     Attributes:
         module: the module (held only while it runs).
         name: its qualified name.
-        rule: the effective rule (None: no rule).
+        output: the output cast of its rule (applied where ``cast``).
+        source: the policy key of its rule (None: no rule).
         island: inside an ``fp32``/``keep`` call (no rule acts there).
         cast: whether this call applies the rule's output cast.
         scope: the fp8 scope this call opened (fp8-family rules).
@@ -126,15 +138,16 @@ class Call:
         "kind",
         "module",
         "name",
+        "output",
         "replayed",
-        "rule",
         "saved",
         "scope",
+        "source",
         "traced",
     )
 
-    def __init__(self, module: nn.Module | None, name: str, rule: Rule | None) -> None:
-        self.module, self.name, self.rule = module, name, rule
+    def __init__(self, module: nn.Module | None, name: str, output: Any, source: object) -> None:
+        self.module, self.name, self.output, self.source = module, name, output, source
         self.kind = type(module).__name__
         self.island = self.cast = self.holds_mode = self.replayed = False
         self.scope: fp8_hook.Scope | None = None
@@ -147,7 +160,7 @@ class Call:
 
         Host sync: none.
         """
-        copy = Call(None, self.name, self.rule)
+        copy = Call(None, self.name, None, None)
         copy.island, copy.replayed, copy.kind = self.island, True, self.kind
         if self.scope is not None:
             s = self.scope
@@ -265,7 +278,7 @@ def _open(
 ) -> tuple[Call, Any]:
     """The call of ``module`` with its rule applied; the inputs when the rule cast them."""
     calls = TLS.calls
-    call = Call(module, name, None if eff is None else eff.rule)
+    call = Call(module, name, None, None) if eff is None else Call(module, name, eff.rule.output, eff.source)
     call.island = bool(calls) and calls[-1].island
     if eff is None or not frame.fp8_on:
         return call, None
@@ -328,12 +341,13 @@ def _close(call: Call, frame: Frame | None, output: Any, failed: bool) -> Any:
         parent = tls.calls[-1].scope if tls.calls else None
         if parent is not None:
             parent.served += scope.served  # an owner serves what its children served
+        if scope.served and frame is not None:
+            frame.served.add(call.source)
         if scope.guarded and not scope.served and not failed:
             _raise(fp8_hook.served_nothing(scope, call.kind))
-    if not call.cast or output is None or call.rule is None or frame is None:
+    if not call.cast or output is None or call.output is None or frame is None:
         return None
-    low = frame.dtype
-    out_dtype = output_dtype(call.rule.output, low, call.in_dtype)
+    out_dtype = output_dtype(call.output, frame.dtype, call.in_dtype)
     return None if out_dtype is None else cast_value(output, dev, out_dtype)
 
 
@@ -434,8 +448,9 @@ def _compiled_rule(module: nn.Module, policy: Policy) -> Any:
         eff = tree.plan(root, policy).rules.get(id(module))
         if eff is None:
             return None
-        if eff.rule.fp8_family:
+        if eff.rule.fp8_family:  # traced: the guard of each forward says whether it served
             frame.ran.add(eff.source)
+            frame.served.add(eff.source)
     except ConfigError as error:  # raised eagerly below, not as an error of Dynamo's
         return str(error)
     rule = eff.rule
@@ -493,7 +508,7 @@ def _traced_pre(module: nn.Module, policy: Policy, frame: Frame, args: Any) -> A
         return None
     name, owner, compute, output, recipe, guarded, family = found
     calls = TLS.calls
-    call = Call(module, name, Rule(compute, output, recipe=recipe) if family else None)
+    call = Call(module, name, output, None)
     call.island = bool(calls) and calls[-1].island
     running = owner != name and any(c.name == owner for c in calls)
     dev = frame.device_type
@@ -508,7 +523,6 @@ def _traced_pre(module: nn.Module, policy: Policy, frame: Frame, args: Any) -> A
         call.island = call.island or (running and compute in ("fp32", "keep"))
         calls.append(call)
         return None
-    call.rule = Rule(compute, output)
     call.cast, call.in_dtype = True, first_floating_dtype(args, {})
     on = compute not in ("fp32", "keep")
     call.island = not on
@@ -539,12 +553,18 @@ def _traced_scope(call: Call, module: nn.Module, recipe: str, guarded: bool, fra
 
 
 # ---------------------------------------------------------------- global registration
+# The two hooks are registered at the first region that needs them and stay registered (outside
+# a region they return at once): Dynamo guards on the keys of torch's hook dicts, so fresh handles
+# at each region would recompile every compiled model, and re-inserting old handles would mean
+# writing torch's private dicts. Regions only count themselves (the count says whether any is
+# active; the hooks read the thread's own frames).
 _LOCK = threading.Lock()
 _GLOBAL: dict[str, Any] = {"count": 0, "handles": None}
 
 
 def acquire_global_hooks() -> None:
-    """Register the process-wide hooks (reference counted across regions and threads).
+    """Register the process-wide hooks once (torch's public registration), and count a region
+    that uses them.
 
     Example:
         >>> acquire_global_hooks(); release_global_hooks()
@@ -553,7 +573,7 @@ def acquire_global_hooks() -> None:
     """
     with _LOCK:
         _GLOBAL["count"] += 1
-        if _GLOBAL["count"] == 1:
+        if _GLOBAL["handles"] is None:
             _GLOBAL["handles"] = (
                 nn_module.register_module_forward_pre_hook(_global_pre),
                 nn_module.register_module_forward_hook(_global_post, always_call=True),
@@ -561,7 +581,7 @@ def acquire_global_hooks() -> None:
 
 
 def release_global_hooks() -> None:
-    """Drop one reference to the process-wide hooks; the last one removes them.
+    """Count one region fewer (the hooks stay registered, inert outside regions).
 
     Example:
         >>> acquire_global_hooks(); release_global_hooks()
@@ -570,10 +590,6 @@ def release_global_hooks() -> None:
     """
     with _LOCK:
         _GLOBAL["count"] -= 1
-        if _GLOBAL["count"] == 0:
-            for handle in _GLOBAL["handles"]:
-                handle.remove()
-            _GLOBAL["handles"] = None
 
 
 def detach_hooks(module: nn.Module) -> int:

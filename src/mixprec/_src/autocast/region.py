@@ -168,7 +168,7 @@ def _exit_policy(entered: Entered, own_policy: Policy | None, clean: bool) -> No
         if error is not None:
             raise error
     if strict and policy is not None and frame.fp8_on and frame.roots:
-        error = fp8.check_class_reach(policy, frame.ran, frame.roots)
+        error = fp8.check_class_reach(policy, frame.ran, frame.served, frame.roots)
         if error is not None:
             raise error
 

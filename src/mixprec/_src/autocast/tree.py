@@ -36,7 +36,8 @@ class Effective:
         rule: the rule.
         source: the policy key that gave it (a class or a name glob).
         guarded: an fp8-family rule that must serve a matmul in each forward of the module
-            (the owner itself, or an ``nn.Linear`` under it).
+            (the owner, where it holds a weight matrix, or an ``nn.Linear`` under it; a rule
+            that served nothing in a whole region is refused at its exit).
 
     Host sync: none.
     """
@@ -45,6 +46,10 @@ class Effective:
     rule: Rule
     source: object
     guarded: bool
+
+
+def _holds_matrix(module: nn.Module) -> bool:
+    return isinstance(module, nn.Linear) or any(p.dim() >= 2 for p in module.parameters())
 
 
 class Plan:
@@ -61,7 +66,8 @@ class Plan:
         for name, mod in root.named_modules(remove_duplicate=False):
             own = policy.rule_source(mod, name)
             if own is not None:
-                eff: Effective | None = Effective(name, own[1], own[0], own[1].fp8_family)
+                guard = own[1].fp8_family and _holds_matrix(mod)
+                eff: Effective | None = Effective(name, own[1], own[0], guard)
             else:
                 up = by_name.get(name.rpartition(".")[0]) if name else None
                 linear = up is not None and up.rule.fp8_family and isinstance(mod, nn.Linear)

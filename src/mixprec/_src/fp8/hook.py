@@ -32,8 +32,8 @@ from mixprec._src.fp8.stats import Fp8Stats, active_stats
 from mixprec.errors import ConfigError
 
 SERVES = (
-    "the matmuls a module's forward runs on its weights or on tensors computed from them "
-    "(F.linear, @ / torch.matmul, mm, mv, addmm, addmv)"
+    "nn.Linear and every matmul a module's forward runs on its weights or on tensors computed "
+    "from them (F.linear, @ / torch.matmul, mm, mv, addmm, addmv)"
 )
 
 
