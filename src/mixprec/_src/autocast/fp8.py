@@ -49,10 +49,9 @@ def check_class_reach(
 
     Host sync: none.
     """
-    missing = [
-        f"{class_label(t)}={r}" for t, r in policy.class_rules.items() if r.fp8_family and t not in ran
-    ]
-    idle = [f"{class_label(t)}={r}" for t, r in policy.class_rules.items() if t in ran - served]
+    classes = policy.class_rules.items()
+    missing = [f"{class_label(t)}={r}" for t, r in classes if r.fp8_family and t not in ran]
+    idle = [f"{class_label(t)}={r}" for t, r in classes if t in ran - served]
     idle += [f"{g}={r}" for g, r in policy.name_rules.items() if g in ran - served]
     models = ", ".join(type(r).__name__ for r in roots[:3])
     if missing:

@@ -48,7 +48,7 @@ from mixprec._src.autocast.casting import cast_tree, cast_value, first_floating_
 from mixprec._src.autocast.native import backward_autocast_off_while_tracing, never_compiled_alone
 from mixprec._src.autocast.ops import capture_for_recompute
 from mixprec._src.autocast.policy import Policy
-from mixprec._src.autocast.rules import Rule, compute_dtype, output_dtype
+from mixprec._src.autocast.rules import compute_dtype, output_dtype
 from mixprec._src.autocast.tree import Effective, Tree, at, find, has_tree, tree_of
 from mixprec._src.fp8 import hook as fp8_hook
 from mixprec._src.fp8.recipes import get_recipe
@@ -278,7 +278,7 @@ def _open(
 ) -> tuple[Call, Any]:
     """The call of ``module`` with its rule applied; the inputs when the rule cast them."""
     calls = TLS.calls
-    call = Call(module, name, None, None) if eff is None else Call(module, name, eff.rule.output, eff.source)
+    call = Call(module, name, None if eff is None else eff.rule.output, eff and eff.source)
     call.island = bool(calls) and calls[-1].island
     if eff is None or not frame.fp8_on:
         return call, None
