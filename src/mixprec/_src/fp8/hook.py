@@ -102,6 +102,10 @@ def serve_linear(
         raise ConfigError(_unservable(scope.name, f"a matmul on a {weight.dim()}-D weight"))
     check_shape(scope.name, tuple(weight.shape), scope.recipe)
     scope.served += 1
+    if weight.numel() == 0:  # Linear(0, n) or Linear(n, 0): nothing to scale, zeros as nn.Linear
+        with torch.autocast(x.device.type, enabled=False):
+            out = x.to(scope.hp) @ weight.to(scope.hp).t()
+            return out if bias is None else out + bias.to(scope.hp)
     return fp8_linear(x, weight, bias, scope.plan(weight.device))
 
 
