@@ -19,7 +19,10 @@ MODULES = [
     "mixprec._src.autocast.casting",
     "mixprec._src.autocast.custom",
     "mixprec._src.autocast.fp8",
+    "mixprec._src.autocast.calls",
     "mixprec._src.autocast.modules",
+    "mixprec._src.autocast.traced",
+    "mixprec._src.autocast.tree",
     "mixprec._src.autocast.native",
     "mixprec._src.autocast.ops",
     "mixprec._src.autocast.policy",
@@ -27,6 +30,8 @@ MODULES = [
     "mixprec._src.autocast.report",
     "mixprec._src.autocast.rules",
     "mixprec._src.autocast.targets",
+    "mixprec._src.fp8.hook",
+    "mixprec._src.fp8.stats",
 ]
 
 
