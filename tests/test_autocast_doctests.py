@@ -30,8 +30,6 @@ MODULES = [
     "mixprec._src.autocast.report",
     "mixprec._src.autocast.rules",
     "mixprec._src.autocast.targets",
-    "mixprec._src.fp8.hook",
-    "mixprec._src.fp8.stats",
 ]
 
 

@@ -36,7 +36,6 @@ from typing import Any
 
 import torch
 from torch import nn
-from torch._compile import _disable_dynamo
 from torch.fx import GraphModule
 from torch.nn.modules import module as nn_module
 
@@ -62,6 +61,7 @@ from mixprec._src.autocast.tree import Effective
 from mixprec._src.fp8 import hook as fp8_hook
 from mixprec._src.fp8.recipes import get_recipe
 from mixprec._src.fp8.stats import ACTIVE
+from mixprec._src.torch_compat import disable_dynamo
 from mixprec.errors import ConfigError
 
 __all__ = [
@@ -157,7 +157,7 @@ def _close(call: Call, frame: Frame | None, output: Any, failed: bool) -> Any:
     return None if out_dtype is None else cast_value(output, dev, out_dtype)
 
 
-@_disable_dynamo
+@disable_dynamo
 def _raise(error: ConfigError) -> None:
     raise error  # Dynamo runs this eagerly (a graph break): the user's error
 

@@ -37,6 +37,14 @@ from typing import Any, TypeVar
 import torch
 
 from mixprec._src.devices import autocast_device_types, caps
+from mixprec._src.torch_compat import (
+    autocast_object_enabled,
+    backward_pass_autocast,
+    mark_constant,
+    set_backward_pass_autocast,
+    skip_frames_of,
+    torch_function_mode_active,
+)
 from mixprec.errors import ConfigError, UnsupportedDeviceError
 
 # ---------------------------------------------------------------- device and dtype
@@ -211,7 +219,7 @@ def push_state(
 
     Host sync: none.
     """
-    if torch._C._is_torch_function_mode_enabled():
+    if torch_function_mode_active():
         return None
     cache = cache_for(requested, device, dtype)
     saved = (
@@ -265,7 +273,7 @@ def native_decision(device: str, dtype: torch.dtype) -> tuple[bool, tuple[Any, .
             warnings.simplefilter("always")
             native = torch.autocast(device, dtype=dtype, enabled=True)
         notes = tuple((str(w.message), w.category) for w in caught)
-        found = NATIVE[(device, dtype)] = (bool(native._enabled), notes)
+        found = NATIVE[(device, dtype)] = (autocast_object_enabled(native), notes)
     return found
 
 
@@ -320,14 +328,12 @@ def backward_autocast_off_while_tracing() -> None:
 
     Host sync: none.
     """
-    import torch._functorch.config as functorch_config
-
     if not _BACKWARD_SAVED:
-        _BACKWARD_SAVED.append(functorch_config.backward_pass_autocast)
-        functorch_config.backward_pass_autocast = "off"
+        _BACKWARD_SAVED.append(backward_pass_autocast())
+        set_backward_pass_autocast("off")
 
 
-backward_autocast_off_while_tracing._dynamo_marked_constant = True  # type: ignore[attr-defined]
+mark_constant(backward_autocast_off_while_tracing)
 
 
 def restore_backward_autocast() -> None:
@@ -339,9 +345,7 @@ def restore_backward_autocast() -> None:
     Host sync: none.
     """
     if _BACKWARD_SAVED:
-        import torch._functorch.config as functorch_config
-
-        functorch_config.backward_pass_autocast = _BACKWARD_SAVED.pop()
+        set_backward_pass_autocast(_BACKWARD_SAVED.pop())
 
 
 def never_compiled_alone(fn: _F) -> _F:
@@ -363,11 +367,8 @@ def never_compiled_alone(fn: _F) -> _F:
     Host sync: none.
     """
     code = getattr(fn, "__code__", None)
-    frames: Any = getattr(getattr(torch._C, "_dynamo", None), "eval_frame", None)
-    strategy = getattr(frames, "set_code_exec_strategy", None)
-    if code is not None and strategy is not None:  # older torch (no per-code strategy): unmarked
-        skip = frames._FrameAction.SKIP
-        strategy(code, frames._FrameExecStrategy(skip, skip))
+    if code is not None:  # older torch (no per-code strategy): unmarked
+        skip_frames_of(code)
     return fn
 
 

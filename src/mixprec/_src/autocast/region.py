@@ -15,7 +15,6 @@ from collections.abc import Callable
 from typing import Any, TypeVar
 
 import torch
-from torch._compile import _disable_dynamo
 
 from mixprec._src.autocast import fp8
 from mixprec._src.autocast.custom import PENDING, bind_pending
@@ -43,6 +42,7 @@ from mixprec._src.autocast.ops import OpRuleMode
 from mixprec._src.autocast.policy import Policy, coerce_policy
 from mixprec._src.autocast.report import DtypeReport
 from mixprec._src.caller import warn_at_caller
+from mixprec._src.torch_compat import autocast_object_enabled, disable_dynamo
 from mixprec.errors import ConfigError, RegionStateError
 
 F = TypeVar("F", bound=Callable[..., Any])
@@ -69,7 +69,7 @@ _PRECONSTRUCTED_MSG = (
 )
 
 
-@_disable_dynamo
+@disable_dynamo
 def _refuse_while_compiling(message: str) -> None:
     # Dynamo runs this eagerly (a graph break), so the error reaches the user instead of being
     # absorbed by tracing.
@@ -109,7 +109,7 @@ def _enter_policy(
     tls = TLS
     if policy is None and tls.frames:
         policy = tls.frames[-1].policy
-    enabled = bool(entered.native._enabled)
+    enabled = autocast_object_enabled(entered.native)
     frame = Frame(device, dtype, enabled, policy, fp8_on=enabled or fp32_region)
     frame.calls_len = len(tls.calls)
     tls.frames.append(frame)
@@ -443,5 +443,5 @@ class autocast:
 # eagerly through these (only then: a disabled frame is dearer than a plain call). torch's own
 # lazy form of torch.compiler.disable is used: the eager one would import torch._dynamo (and
 # sympy) at `import mixprec`, for users who never compile.
-_enter_full_eagerly = _disable_dynamo(autocast._enter_full)
-_exit_full_eagerly = _disable_dynamo(autocast._exit_full)
+_enter_full_eagerly = disable_dynamo(autocast._enter_full)
+_exit_full_eagerly = disable_dynamo(autocast._exit_full)

@@ -14,7 +14,6 @@ from typing import Any
 
 import torch
 from torch import nn
-from torch._compile import _disable_dynamo
 from torch.overrides import TorchFunctionMode
 
 from mixprec._src.autocast.calls import TLS, Call, Frame, current_scope, locate
@@ -24,6 +23,7 @@ from mixprec._src.autocast.policy import Policy
 from mixprec._src.autocast.rules import compute_dtype
 from mixprec._src.fp8 import hook as fp8_hook
 from mixprec._src.fp8.recipes import get_recipe
+from mixprec._src.torch_compat import disable_dynamo, mark_constant
 from mixprec.errors import ConfigError
 
 
@@ -51,7 +51,7 @@ def compiled_rule(module: nn.Module, policy: Policy) -> Any:
 
 # What torch.compiler.assume_constant_result does, without importing torch._dynamo (and sympy)
 # at `import mixprec`; tests/test_autocast_compile.py checks the decorator still does only this.
-compiled_rule._dynamo_marked_constant = True  # type: ignore[attr-defined]
+mark_constant(compiled_rule)
 
 
 class TracedRegion(TorchFunctionMode):
@@ -87,7 +87,7 @@ def _traced_state(device_type: str) -> tuple[bool, torch.dtype]:
     return torch.is_autocast_enabled(device_type), torch.get_autocast_dtype(device_type)
 
 
-@_disable_dynamo
+@disable_dynamo
 def _refuse_while_tracing(message: str) -> None:
     raise ConfigError(message)  # Dynamo runs this eagerly (a graph break): the user's error
 

@@ -23,12 +23,12 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 from torch import nn
-from torch._compile import _disable_dynamo
 from torch.overrides import TorchFunctionMode
 
 from mixprec._src.fp8.matmul import Plan, fp8_linear, use_scaled_mm
 from mixprec._src.fp8.recipes import Recipe
 from mixprec._src.fp8.stats import Fp8Stats, active_stats
+from mixprec._src.torch_compat import disable_dynamo
 from mixprec.errors import ConfigError
 
 SERVES = (
@@ -273,7 +273,7 @@ def _unservable(name: str, what: str) -> str:
     )
 
 
-@_disable_dynamo
+@disable_dynamo
 def _refuse(name: str, label: str) -> None:
     # Dynamo runs this eagerly (a graph break), so the error reaches the user.
     raise ConfigError(_unservable(name, label))
@@ -354,7 +354,7 @@ _STATS_COMPILE_MSG = (
 )
 
 
-@_disable_dynamo
+@disable_dynamo
 def refuse_stats_while_compiling() -> None:
     """Dynamo runs this eagerly (a graph break), so the error reaches the user. Host sync:
     none."""
