@@ -69,12 +69,11 @@ __all__ = [
     "Call",
     "Frame",
     "Snapshot",
-    "acquire_global_hooks",
     "current_module_name",
     "detach_hooks",
+    "ensure_global_hooks",
     "forget_roots",
     "names_run",
-    "release_global_hooks",
 ]
 
 
@@ -227,7 +226,7 @@ class Snapshot:
         tls.frames, tls.calls, tls.roots = [self.frame], list(self.calls), list(self.roots)
         tls.current, tls.mode = None, None
         ACTIVE.stack = [*saved[5], *self.stats]
-        acquire_global_hooks()
+        ensure_global_hooks()
         if self.followed is not None:  # the calls around the checkpoint serve their matmuls
             tls.mode = fp8_hook.Fp8Mode(self.followed, current_scope)
             tls.mode.__enter__()
@@ -236,7 +235,6 @@ class Snapshot:
         finally:
             if self.followed is not None and tls.mode is not None:
                 tls.mode.__exit__(None, None, None)
-            release_global_hooks()
             tls.frames, tls.calls, tls.roots, tls.current, tls.mode, ACTIVE.stack = saved
 
 
@@ -244,40 +242,25 @@ class Snapshot:
 # The two hooks are registered at the first region that needs them and stay registered (outside
 # a region they return at once): Dynamo guards on the keys of torch's hook dicts, so fresh handles
 # at each region would recompile every compiled model, and re-inserting old handles would mean
-# writing torch's private dicts. Regions only count themselves (the count says whether any is
-# active; the hooks read the thread's own frames).
+# writing torch's private dicts.
 _LOCK = threading.Lock()
-_GLOBAL: dict[str, Any] = {"count": 0, "handles": None}
+_HANDLES: list[Any] = []
 
 
-def acquire_global_hooks() -> None:
-    """Register the process-wide hooks once (torch's public registration), and count a region
-    that uses them.
+def ensure_global_hooks() -> None:
+    """Register the process-wide hooks once (torch's public registration).
 
     Example:
-        >>> acquire_global_hooks(); release_global_hooks()
+        >>> ensure_global_hooks(); ensure_global_hooks()
 
     Host sync: none.
     """
+    if _HANDLES:
+        return
     with _LOCK:
-        _GLOBAL["count"] += 1
-        if _GLOBAL["handles"] is None:
-            _GLOBAL["handles"] = (
-                nn_module.register_module_forward_pre_hook(_global_pre),
-                nn_module.register_module_forward_hook(_global_post, always_call=True),
-            )
-
-
-def release_global_hooks() -> None:
-    """Count one region fewer (the hooks stay registered, inert outside regions).
-
-    Example:
-        >>> acquire_global_hooks(); release_global_hooks()
-
-    Host sync: none.
-    """
-    with _LOCK:
-        _GLOBAL["count"] -= 1
+        if not _HANDLES:
+            _HANDLES.append(nn_module.register_module_forward_pre_hook(_global_pre))
+            _HANDLES.append(nn_module.register_module_forward_hook(_global_post, always_call=True))
 
 
 def detach_hooks(module: nn.Module) -> int:

@@ -21,11 +21,10 @@ from mixprec._src.autocast.custom import PENDING, bind_pending
 from mixprec._src.autocast.modules import (
     TLS,
     Frame,
-    acquire_global_hooks,
     detach_hooks,
+    ensure_global_hooks,
     forget_roots,
     names_run,
-    release_global_hooks,
 )
 from mixprec._src.autocast.native import (
     cache_for,
@@ -119,7 +118,7 @@ def _enter_policy(
         entered.marked = mark_policy_region()
     reporting = report is not None
     if (policy is not None and policy.has_module_rules) or reporting:
-        acquire_global_hooks()
+        ensure_global_hooks()
         entered.hooks = True
         tls.reporting += reporting
     if policy is not None and policy.op_rules and enabled:
@@ -151,7 +150,6 @@ def _exit_policy(entered: Entered, own_policy: Policy | None, clean: bool) -> No
             entered.mode.__exit__(None, None, None)
     finally:
         if entered.hooks:
-            release_global_hooks()
             tls.reporting -= reporting
         if entered.marked is not None:
             unmark_policy_region(entered.marked)
