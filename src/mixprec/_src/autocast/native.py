@@ -278,7 +278,7 @@ def native_decision(device: str, dtype: torch.dtype) -> tuple[bool, tuple[Any, .
 
 
 # ---------------------------------------------------------------- compiled graphs
-# Dynamo does not guard on an empty module hook dict (torch._dynamo.config.skip_nnmodule_hook_guards):
+# Dynamo does not guard on an empty module hook dict (skip_nnmodule_hook_guards in its config):
 # a graph compiled before the first policy region, so without mixprec's hooks, would be reused
 # inside one, rules ignored. (Once the hooks are registered, Dynamo guards on the dict's keys.)
 # Dynamo does guard on whether autocast is enabled, for every device type, so a region with a
