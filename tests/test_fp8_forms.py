@@ -346,6 +346,7 @@ COMPILED = {
 
 
 @pytest.mark.slow
+@pytest.mark.filterwarnings("ignore:Using `torch.compile\\(module\\)` when there are global")
 @pytest.mark.parametrize("form", list(COMPILED))
 def test_compiled_forms_run_each_recipe_as_their_oracle(form: str) -> None:
     """One compiled wrapper per form, two recipes through it (a policy switch), aot_eager."""
