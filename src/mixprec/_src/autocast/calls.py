@@ -89,12 +89,14 @@ class Call:
         in_dtype: the dtype of the first floating input (for an ``@input`` output cast).
         holds_mode: this call entered the thread's fp8 mode.
         replayed: a call around a checkpoint, replayed in its recomputation (never closed).
+        grad: grad mode was on when it started.
 
     Host sync: none.
     """
 
     __slots__ = (
         "cast",
+        "grad",
         "holds_mode",
         "in_dtype",
         "island",
@@ -113,6 +115,7 @@ class Call:
         self.module, self.name, self.output, self.source = module, name, output, source
         self.kind = type(module).__name__
         self.island = self.cast = self.holds_mode = self.replayed = False
+        self.grad = True  # grad mode was on at the call (a checkpoint inside may record)
         self.scope: fp8_hook.Scope | None = None
         self.saved: Saved | None = None
         self.traced: tuple[Any, tuple[bool, torch.dtype]] | None = None  # (a mode, the state)

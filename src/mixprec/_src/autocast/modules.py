@@ -177,9 +177,16 @@ def _global_pre(module: nn.Module, args: Any) -> Any:
         return None
     root, tree, name = locate(module, frame)
     eff = None if policy is None else tree.plan(root, policy).rules.get(id(module))
-    if policy is not None and policy._has_module_rules:
+    grad = torch.is_grad_enabled()
+    if (
+        policy is not None
+        and policy._has_module_rules
+        and (grad or not tls.calls or tls.calls[-1].grad)
+    ):
+        # (under a call that began without grad, any checkpoint here began before it: captured)
         capture_for_recompute(lambda: Snapshot(frame))
     call, new_args = _open(module, name, eff, frame, root, args)
+    call.grad = grad
     tls.calls.append(call)
     return new_args
 
