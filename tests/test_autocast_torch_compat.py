@@ -66,3 +66,18 @@ def test_caller_frame_counts_from_the_caller() -> None:
 
     assert tc.caller_frame(0).f_code is sys._getframe().f_code
     assert inner() is sys._getframe().f_code
+
+
+def test_pytree_leaves_and_the_dispatch_mode() -> None:
+    a, b = torch.ones(1), torch.zeros(1)
+    assert tc.pytree_leaves({"x": [a, (b, 3)]}) == [a, b, 3]
+    seen = []
+
+    class Seen(tc.DispatchMode):
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):  # type: ignore[no-untyped-def]
+            seen.append(str(func))
+            return func(*args, **(kwargs or {}))
+
+    with Seen():
+        torch.mm(torch.ones(2, 2), torch.ones(2, 2))
+    assert "aten.mm.default" in seen

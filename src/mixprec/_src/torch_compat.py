@@ -16,6 +16,8 @@ from typing import Any, TypeVar
 import torch
 import torch.utils.checkpoint as _checkpoint
 from torch._compile import _disable_dynamo
+from torch.utils._python_dispatch import TorchDispatchMode
+from torch.utils._pytree import tree_leaves
 
 # ---------------------------------------------------------------- kernels, scaling, fp8, devices
 
@@ -150,3 +152,11 @@ def caller_frame(depth: int) -> FrameType:
     Host sync: none.
     """
     return sys._getframe(depth + 1)
+
+
+#: The leaves of a nested structure of outputs (``torch.utils._pytree``; no public equivalent).
+#: Checked on 2.13.0, 2.14.1.
+pytree_leaves = tree_leaves
+#: The base class of a dispatch mode (the dtype report observes aten ops with one;
+#: ``torch.utils._python_dispatch``, no public equivalent). Checked on 2.13.0, 2.14.1.
+DispatchMode = TorchDispatchMode
