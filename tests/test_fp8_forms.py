@@ -146,6 +146,21 @@ class Iterated(nn.Module):
         return x
 
 
+class Sliced(Iterated):
+    """A parent calling a slice of an nn.Sequential (a new container of the same modules)."""
+
+    def __init__(self, d: int) -> None:
+        super().__init__(d, nn.Sequential)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.layers[1:](self.layers[0](x))
+
+    def oracle(self, x: torch.Tensor, lin: Linear) -> torch.Tensor:
+        for layer in self.layers:
+            x = lin(x, layer.weight, layer.bias)
+        return x
+
+
 class Body(nn.Module):
     def __init__(self, d: int) -> None:
         super().__init__()
@@ -207,6 +222,7 @@ FORMS: dict[str, tuple[Callable[[], nn.Module], Callable[[str], str]]] = {
     "conv1d-addmm": (lambda: Conv1D(D), lambda r: f"{Conv1D.__module__}.Conv1D={r}"),
     "iterated-sequential": (lambda: Iterated(D, nn.Sequential), lambda r: f"layers={r}"),
     "modulelist": (lambda: Iterated(D, nn.ModuleList), lambda r: f"layers={r}"),
+    "sliced-sequential": (lambda: Sliced(D), lambda r: f"layers={r}"),
     "tied-exception": (lambda: Tied(D), lambda r: f"body={r}, body.b=bf16"),
     "nested": (lambda: Nested(D), lambda r: f"outer={r}"),
 }

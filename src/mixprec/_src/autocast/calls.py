@@ -203,8 +203,10 @@ def is_wrapper(module: nn.Module) -> bool:
     return type(module).__name__ == "OptimizedModule" and "_orig_mod" in module._modules
 
 
-def locate(module: nn.Module, frame: Frame) -> tuple[nn.Module, Tree, str]:
-    """The root, tree and qualified name of a module that runs in the region.
+def locate(module: nn.Module, frame: Frame) -> tuple[nn.Module, Tree, str] | None:
+    """The root, tree and qualified name of a module that runs in the region; None for a
+    container made on the fly from modules of a known tree (``self.layers[1:]``, a slice of an
+    ``nn.Sequential``): it has no name of its own, its modules keep theirs.
 
     Host sync: none.
     """
@@ -222,9 +224,17 @@ def locate(module: nn.Module, frame: Frame) -> tuple[nn.Module, Tree, str]:
                 return _entered(frame, root, tree, name)
         if has_tree(module):
             break  # a root of an earlier region: a root again
+        if not rebuild and _holds_known(module):
+            return None
     tree = tree_of(module)
     tls.roots.append((module, tree))
     return _entered(frame, module, tree, "")
+
+
+def _holds_known(module: nn.Module) -> bool:
+    """Whether a child of ``module`` is a module of a root's tree (``module`` is not)."""
+    trees = [tree for _, tree in TLS.roots]
+    return any(id(c) in tree.names for c in module.children() for tree in trees)
 
 
 def _entered(frame: Frame, root: nn.Module, tree: Tree, name: str) -> tuple[nn.Module, Tree, str]:

@@ -175,7 +175,13 @@ def _global_pre(module: nn.Module, args: Any) -> Any:
         return None if policy is None else traced_pre(module, policy, frame, args)
     if is_wrapper(module):
         return None
-    root, tree, name = locate(module, frame)
+    found = locate(module, frame)
+    if found is None:  # a slice of a container: transparent, its modules are named
+        call = Call(module, tls.calls[-1].name if tls.calls else "", None, None)
+        call.island = bool(tls.calls) and tls.calls[-1].island
+        tls.calls.append(call)
+        return None
+    root, tree, name = found
     eff = None if policy is None else tree.plan(root, policy).rules.get(id(module))
     grad = torch.is_grad_enabled()
     if (

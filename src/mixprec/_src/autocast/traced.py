@@ -36,7 +36,10 @@ def compiled_rule(module: nn.Module, policy: Policy) -> Any:
     backward_autocast_off_while_tracing()
     frame = TLS.frames[-1]
     try:
-        root, tree, name = locate(module, frame)
+        found = locate(module, frame)
+        if found is None:
+            return None  # a slice of a container: its modules are named
+        root, tree, name = found
         eff = tree.plan(root, policy).rules.get(id(module))
         if eff is None:
             return None
