@@ -24,7 +24,7 @@ from mixprec._src import torch_compat
 from mixprec._src.fp8 import matmul
 from mixprec._src.fp8.casts import cast_stats, dequantize, quantize
 from mixprec._src.fp8.formats import scale_from_amax
-from mixprec._src.fp8.hook import Fp8LinearMode, can_serve, enter_module, exit_module
+from mixprec._src.fp8.hook import Fp8Mode, Scope, can_serve, enter_module, exit_module
 from mixprec._src.fp8.matmul import Plan, fp8_linear
 from mixprec._src.fp8.recipes import E4M3, E5M2, RECIPES, Cast, get_recipe
 from mixprec._src.fp8.stats import Fp8Stats
@@ -276,9 +276,11 @@ def test_mode_serves_only_its_weight() -> None:
     lin, other = nn.Linear(4, 4), nn.Linear(4, 4)
     x = torch.randn(2, 4)
     want_other, want_lin = other(x), lin(x)
-    with Fp8LinearMode(((lin.weight, Plan(get_recipe("tensorwise"), torch.float32, False)),)):
+    scope = Scope("lin", get_recipe("tensorwise"), torch.float32, None, False)
+    with Fp8Mode(list(lin.parameters()), lambda: scope):  # follows lin's weights only (#32)
         assert torch.equal(other(x), want_other)
         assert not torch.equal(lin(x), want_lin)
+    assert scope.served == 1
 
 
 def test_gpu_check_fp8_section_runs_on_cpu(monkeypatch: pytest.MonkeyPatch) -> None:

@@ -20,10 +20,7 @@ MAX_FUNCTION_LINES = 40  # of code: docstrings, comments, blank lines and nested
 
 # Known exceptions in other engineers' areas, each with who fixes it. The test fails when one
 # is no longer needed, so the list only shrinks.
-MODULE_EXCEPTIONS: dict[str, str] = {
-    "mixprec._src.autocast.modules": "the advisor's module_records/restore_module_records and "
-    "region_policy, appended (#29); the autocast rewrite (#32) replaces them",
-}
+MODULE_EXCEPTIONS: dict[str, str] = {}
 FUNCTION_EXCEPTIONS: dict[tuple[str, str], str] = {}
 
 # (importer prefix, forbidden prefix): the layers of docs/internals.md.
@@ -227,9 +224,6 @@ TORCH_PRIVATE_ATTRS = {
 }
 PRIVATE_TORCH_ALLOWED = {
     "mixprec._src.torch_compat": "the one module that holds them",
-    # moved by the autocast rework (#32 item 5): the coordinator removes these two entries.
-    "mixprec._src.autocast": "moved by the autocast rework",
-    "mixprec._src.fp8.hook": "moved by the autocast rework",
 }
 
 

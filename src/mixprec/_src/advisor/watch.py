@@ -51,7 +51,7 @@ from mixprec._src.advisor.measure.metrics import db_to_ratio, ratio_to_db
 from mixprec._src.advisor.measure.passes import Engine, Job, Subject, in_pass, isolated
 from mixprec._src.advisor.report.advice import Advice, Measurement, ModuleAdvice
 from mixprec._src.advisor.speed.gpus import get_gpu
-from mixprec._src.autocast.modules import region_policy
+from mixprec._src.autocast.calls import region_policy
 from mixprec._src.autocast.policy import Policy
 from mixprec._src.autocast.rules import format_dtype
 from mixprec.errors import ConfigError, MixprecWarning

@@ -18,10 +18,10 @@ from typing import Any, NamedTuple
 
 import torch
 from torch.autograd.function import FunctionCtx
-from torch.utils._pytree import tree_leaves
 
 from mixprec._src.autocast.casting import cast_tree, run_without_autocast
 from mixprec._src.autocast.native import default_device_type, resolve_device_type
+from mixprec._src.torch_compat import pytree_leaves
 from mixprec.errors import ConfigError
 
 _ATTR = "_mixprec_fwd_state"
@@ -58,7 +58,7 @@ def bind_pending() -> None:
 
 
 def _infer_device(values: Any) -> str:
-    for t in tree_leaves(values):
+    for t in pytree_leaves(values):
         if isinstance(t, torch.Tensor) and t.is_floating_point():
             return t.device.type
     return default_device_type()
@@ -66,7 +66,7 @@ def _infer_device(values: Any) -> str:
 
 def _may_backward(values: Any) -> bool:
     """Whether a backward can follow: some tensor input requires grad."""
-    return any(isinstance(t, torch.Tensor) and t.requires_grad for t in tree_leaves(values))
+    return any(isinstance(t, torch.Tensor) and t.requires_grad for t in pytree_leaves(values))
 
 
 def _check_decorated(name: str, fn: object) -> None:
@@ -163,7 +163,7 @@ def custom_fwd(
         else:
             out = forward(*head, *inputs, **kwargs)
         if record:
-            outs = [t for t in tree_leaves(out) if isinstance(t, torch.Tensor)]
+            outs = [t for t in pytree_leaves(out) if isinstance(t, torch.Tensor)]
             with _LOCK:
                 PENDING.append((outs, state))
         return out

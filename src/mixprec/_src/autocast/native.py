@@ -39,6 +39,14 @@ import torch
 
 from mixprec._src import torch_compat
 from mixprec._src.devices import autocast_device_types, caps
+from mixprec._src.torch_compat import (
+    autocast_object_enabled,
+    backward_pass_autocast,
+    mark_constant,
+    set_backward_pass_autocast,
+    skip_frames_of,
+    torch_function_mode_active,
+)
 from mixprec.errors import ConfigError, UnsupportedDeviceError
 
 # ---------------------------------------------------------------- device and dtype
@@ -213,7 +221,7 @@ def push_state(
 
     Host sync: none.
     """
-    if torch._C._is_torch_function_mode_enabled():
+    if torch_function_mode_active():
         return None
     cache = cache_for(requested, device, dtype)
     saved = (
@@ -267,18 +275,23 @@ def native_decision(device: str, dtype: torch.dtype) -> tuple[bool, tuple[Any, .
             warnings.simplefilter("always")
             native = torch.autocast(device, dtype=dtype, enabled=True)
         notes = tuple((str(w.message), w.category) for w in caught)
-        found = NATIVE[(device, dtype)] = (bool(native._enabled), notes)
+        found = NATIVE[(device, dtype)] = (autocast_object_enabled(native), notes)
     return found
 
 
 # ---------------------------------------------------------------- compiled graphs
-# Dynamo does not guard on module hooks (torch._dynamo.config.skip_nnmodule_hook_guards): a graph
-# compiled with no policy region active, so without mixprec's hooks, would be reused inside one,
-# rules ignored. Dynamo does guard on whether autocast is enabled, for every device type, so a
-# region with a policy marks itself there, on a device type no machine runs anymore (Graphcore's
-# IPU: enabling its autocast changes nothing for tensors of other devices): graphs traced outside
-# policy regions and inside them never mix. Which policy a graph was traced for is guarded where
-# rules are looked up (by identity).
+# Dynamo does not guard on an empty module hook dict (skip_nnmodule_hook_guards in its config):
+# a graph compiled before the first policy region, so without mixprec's hooks, would be reused
+# inside one, rules ignored. (Once the hooks are registered, Dynamo guards on the dict's keys.)
+# Dynamo does guard on whether autocast is enabled, for every device type, so a region with a
+# policy marks itself there, on a device type no machine runs anymore (Graphcore's IPU: enabling
+# its autocast changes nothing for tensors of other devices): graphs traced outside policy regions
+# and inside them never mix. Why a borrowed flag and not a supported guard (#32): the guards
+# Dynamo offers on state it does not read are its global-state guards (grad mode, autocast,
+# default dtype, the torch-function mode stack); a mode pushed for the whole region would make
+# every torch call of the region a Python call, and registering the hooks at import time would
+# put them on every module call of every user. Which policy a graph was traced for is guarded
+# where rules are looked up (by identity).
 _MARK_DEVICE = "ipu"
 
 
@@ -322,14 +335,12 @@ def backward_autocast_off_while_tracing() -> None:
 
     Host sync: none.
     """
-    import torch._functorch.config as functorch_config
-
     if not _BACKWARD_SAVED:
-        _BACKWARD_SAVED.append(functorch_config.backward_pass_autocast)
-        functorch_config.backward_pass_autocast = "off"
+        _BACKWARD_SAVED.append(backward_pass_autocast())
+        set_backward_pass_autocast("off")
 
 
-backward_autocast_off_while_tracing._dynamo_marked_constant = True  # type: ignore[attr-defined]
+mark_constant(backward_autocast_off_while_tracing)
 
 
 def restore_backward_autocast() -> None:
@@ -341,9 +352,7 @@ def restore_backward_autocast() -> None:
     Host sync: none.
     """
     if _BACKWARD_SAVED:
-        import torch._functorch.config as functorch_config
-
-        functorch_config.backward_pass_autocast = _BACKWARD_SAVED.pop()
+        set_backward_pass_autocast(_BACKWARD_SAVED.pop())
 
 
 def never_compiled_alone(fn: _F) -> _F:
@@ -365,11 +374,8 @@ def never_compiled_alone(fn: _F) -> _F:
     Host sync: none.
     """
     code = getattr(fn, "__code__", None)
-    frames: Any = getattr(getattr(torch._C, "_dynamo", None), "eval_frame", None)
-    strategy = getattr(frames, "set_code_exec_strategy", None)
-    if code is not None and strategy is not None:  # older torch (no per-code strategy): unmarked
-        skip = frames._FrameAction.SKIP
-        strategy(code, frames._FrameExecStrategy(skip, skip))
+    if code is not None:  # older torch (no per-code strategy): unmarked
+        skip_frames_of(code)
     return fn
 
 
@@ -503,8 +509,8 @@ def registered_autocast_ops(device_type: str) -> frozenset[str]:
         return frozenset()
     marker = f"\n{key}: registered at"
     found = set()
-    for name in torch._C._dispatch_get_all_op_names():
-        if marker in "\n" + torch._C._dispatch_dump(name):
+    for name in torch_compat.dispatch_op_names():
+        if marker in "\n" + torch_compat.dispatch_dump(name):
             found.add(name)
     return frozenset(found)
 

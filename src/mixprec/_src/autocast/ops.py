@@ -10,8 +10,9 @@ wrapped composites, are not seen (see docs/autocast.md).
 restoring native autocast but not this mode, so a recompute would run the ops without their rules
 (non-reentrant checkpoint then fails its metadata check; reentrant checkpoint silently computes
 different gradients). When an op rule applies inside a checkpointed forward, the mode wraps that
-checkpoint's recompute function so that it runs under the same rule table. Module rules need no
-wrapper: their per-module hooks replay themselves (:mod:`.modules`).
+checkpoint's recompute function so that it runs under the same rule table. Module rules replay
+the same way: the first module call inside a checkpoint's forward wraps its recompute function with
+the forward's context (:func:`capture_for_recompute`, :class:`.modules.Snapshot`).
 
 This reads two private parts of ``torch.utils.checkpoint`` (torch 2.13): the
 ``_CheckpointFrame`` that the non-reentrant forward's saved-tensor hook closes over (its
@@ -21,12 +22,10 @@ torch release moves them, :func:`current_checkpoint` finds nothing and the recom
 
 from __future__ import annotations
 
-import sys
 from collections.abc import Callable, Mapping
 from typing import Any
 
 import torch
-import torch.utils.checkpoint as _ckpt
 from torch.overrides import TorchFunctionMode
 
 from mixprec._src.autocast.casting import (
@@ -38,11 +37,15 @@ from mixprec._src.autocast.casting import (
 )
 from mixprec._src.autocast.native import backward_autocast_off_while_tracing, never_compiled_alone
 from mixprec._src.autocast.rules import Rule
+from mixprec._src.torch_compat import (
+    CHECKPOINT_FRAME_TYPE,
+    REENTRANT_CHECKPOINT_CODE,
+    caller_frame,
+    mark_constant,
+    top_saved_tensors_hooks,
+)
 
 # ---------------------------------------------------------------- checkpoint replay
-_FRAME_TYPE: type | None = getattr(_ckpt, "_CheckpointFrame", None)
-_REENTRANT_FORWARD = getattr(getattr(_ckpt, "CheckpointFunction", None), "forward", None)
-_REENTRANT_CODE = getattr(_REENTRANT_FORWARD, "__code__", None)
 _REPLAYS = "_mixprec_replays"  # attribute of a wrapper: the tables it replays
 
 Target = tuple[Any, str]  # (object, attribute holding the recompute function)
@@ -57,20 +60,20 @@ def current_checkpoint() -> Target | None:
 
     Host sync: none.
     """
-    hooks = torch._C._autograd._top_saved_tensors_default_hooks(False)
-    if hooks is not None and _FRAME_TYPE is not None:  # non-reentrant forward (or other hooks)
+    hooks = top_saved_tensors_hooks()
+    if hooks is not None and CHECKPOINT_FRAME_TYPE is not None:  # non-reentrant forward
         for cell in getattr(hooks[0], "__closure__", None) or ():
-            if isinstance(cell.cell_contents, _FRAME_TYPE):
+            if isinstance(cell.cell_contents, CHECKPOINT_FRAME_TYPE):
                 return cell.cell_contents, "recompute_fn"
         return None
-    if torch.is_grad_enabled() or _REENTRANT_CODE is None:
+    if torch.is_grad_enabled() or REENTRANT_CHECKPOINT_CODE is None:
         return None
-    frame = sys._getframe(1)  # reentrant checkpoint runs its forward under no_grad
+    frame: Any = caller_frame(1)  # reentrant checkpoint runs its forward under no_grad
     while frame is not None:
-        if frame.f_code is _REENTRANT_CODE:
+        if frame.f_code is REENTRANT_CHECKPOINT_CODE:
             ctx = frame.f_locals.get("ctx")
             return None if ctx is None else (ctx, "run_function")
-        frame = frame.f_back  # type: ignore[assignment]
+        frame = frame.f_back
     return None
 
 
@@ -99,6 +102,38 @@ def replay_in(target: Target, table: Mapping[str, Rule], device_type: str) -> No
             return fn(*args, **kwargs)
 
     setattr(recompute, _REPLAYS, (*replays, (table, device_type)))
+    setattr(recompute, _SNAPSHOT, getattr(fn, _SNAPSHOT, None))
+    setattr(owner, attr, recompute)
+
+
+_SNAPSHOT = "_mixprec_snapshot"  # attribute of a wrapper: the forward context it replays
+
+
+def capture_for_recompute(snapshot: Callable[[], Any]) -> None:
+    """Inside a checkpoint's forward (eager), make its recomputation replay the context
+    ``snapshot()`` captures now (once per checkpoint: the first module call inside it).
+    The snapshot has a ``replaying()`` context manager.
+
+    Example:
+        >>> capture_for_recompute(lambda: None)  # outside a checkpoint: nothing to do
+
+    Host sync: none.
+    """
+    target = current_checkpoint()
+    if target is None:
+        return
+    owner, attr = target
+    fn = getattr(owner, attr)
+    if getattr(fn, _SNAPSHOT, None) is not None:
+        return
+    snap = snapshot()
+
+    def recompute(*args: Any, **kwargs: Any) -> Any:
+        with snap.replaying():
+            return fn(*args, **kwargs)
+
+    setattr(recompute, _SNAPSHOT, snap)
+    setattr(recompute, _REPLAYS, getattr(fn, _REPLAYS, ()))
     setattr(owner, attr, recompute)
 
 
@@ -142,7 +177,7 @@ def _traced_under(key: object) -> None:
     backward_autocast_off_while_tracing()
 
 
-_traced_under._dynamo_marked_constant = True  # type: ignore[attr-defined]
+mark_constant(_traced_under)
 
 
 class OpRuleMode(TorchFunctionMode):

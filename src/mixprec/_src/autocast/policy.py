@@ -211,16 +211,30 @@ class Policy:
 
         Host sync: none.
         """
+        found = self.rule_source(module, name)
+        return None if found is None else found[1]
+
+    def rule_source(self, module: nn.Module, name: str | None) -> tuple[object, Rule] | None:
+        """The key (a name glob or a class) and the rule :meth:`module_rule` finds, or None.
+
+        Example:
+            >>> from torch import nn
+            >>> from mixprec import Policy
+            >>> Policy("nn.LayerNorm=fp32").rule_source(nn.LayerNorm(4), "norm")[0].__name__
+            'LayerNorm'
+
+        Host sync: none.
+        """
         if name is not None:
             for glob, rule in self._name_rules:
                 if fnmatch.fnmatchcase(name, glob):
-                    return rule
+                    return glob, rule
         classes: dict[type, Rule] = self._class_rules
         if classes:
             for cls in type(module).__mro__:
                 found = classes.get(cls)
                 if found is not None:
-                    return found
+                    return cls, found
         return None
 
     def resolve(self, model: nn.Module) -> dict[str, Rule]:

@@ -15,18 +15,16 @@ from collections.abc import Callable
 from typing import Any, TypeVar
 
 import torch
-from torch._compile import _disable_dynamo
 
 from mixprec._src.autocast import fp8
 from mixprec._src.autocast.custom import PENDING, bind_pending
 from mixprec._src.autocast.modules import (
     TLS,
     Frame,
-    acquire_global_hooks,
     detach_hooks,
+    ensure_global_hooks,
     forget_roots,
     names_run,
-    release_global_hooks,
 )
 from mixprec._src.autocast.native import (
     cache_for,
@@ -43,6 +41,7 @@ from mixprec._src.autocast.ops import OpRuleMode
 from mixprec._src.autocast.policy import Policy, coerce_policy
 from mixprec._src.autocast.report import DtypeReport
 from mixprec._src.caller import warn_at_caller
+from mixprec._src.torch_compat import autocast_object_enabled, disable_dynamo
 from mixprec.errors import ConfigError, RegionStateError
 
 F = TypeVar("F", bound=Callable[..., Any])
@@ -69,7 +68,7 @@ _PRECONSTRUCTED_MSG = (
 )
 
 
-@_disable_dynamo
+@disable_dynamo
 def _refuse_while_compiling(message: str) -> None:
     # Dynamo runs this eagerly (a graph break), so the error reaches the user instead of being
     # absorbed by tracing.
@@ -99,17 +98,19 @@ def _enter_policy(
     dtype: torch.dtype,
     policy: Policy | None,
     report: DtypeReport | None,
+    fp32_region: bool = False,
 ) -> None:
     """Push the region's frame and enter its hooks, op mode and recorder (after native entry).
 
-    A region without a policy inherits the enclosing region's. Host sync: none.
+    A region without a policy inherits the enclosing region's. In a float32 region
+    (``fp32_region``) fp8-family rules run, with float32 around their matmuls. Host sync: none.
     """
     tls = TLS
     if policy is None and tls.frames:
         policy = tls.frames[-1].policy
-    enabled = bool(entered.native._enabled)
-    frame = Frame(device, dtype, enabled, policy)
-    frame.stack_len = len(tls.stack)
+    enabled = autocast_object_enabled(entered.native)
+    frame = Frame(device, dtype, enabled, policy, fp8_on=enabled or fp32_region)
+    frame.calls_len = len(tls.calls)
     tls.frames.append(frame)
     tls.current = None  # the first module of this frame records its root in it
     entered.frame = frame
@@ -117,7 +118,7 @@ def _enter_policy(
         entered.marked = mark_policy_region()
     reporting = report is not None
     if (policy is not None and policy.has_module_rules) or reporting:
-        acquire_global_hooks()
+        ensure_global_hooks()
         entered.hooks = True
         tls.reporting += reporting
     if policy is not None and policy.op_rules and enabled:
@@ -149,12 +150,11 @@ def _exit_policy(entered: Entered, own_policy: Policy | None, clean: bool) -> No
             entered.mode.__exit__(None, None, None)
     finally:
         if entered.hooks:
-            release_global_hooks()
             tls.reporting -= reporting
         if entered.marked is not None:
             unmark_policy_region(entered.marked)
         del tls.frames[tls.frames.index(frame) :]
-        del tls.stack[frame.stack_len :]
+        del tls.calls[frame.calls_len :]
         tls.current = None
         if not tls.frames:
             forget_roots()
@@ -165,8 +165,8 @@ def _exit_policy(entered: Entered, own_policy: Policy | None, clean: bool) -> No
         error = policy._unmatched_error(names_run(frame), "of the models that ran in the region")
         if error is not None:
             raise error
-    if strict and policy is not None and frame.enabled and frame.roots:
-        error = fp8.check_class_reach(policy, frame.roots)
+    if strict and policy is not None and frame.fp8_on and frame.roots:
+        error = fp8.check_class_reach(policy, frame.ran, frame.served, frame.roots)
         if error is not None:
             raise error
 
@@ -276,6 +276,8 @@ class autocast:
             for message, category in notes:
                 warn_at_caller(message, category)
         self.enabled = on
+        # dtype=torch.float32: native autocast is off, fp8-family rules run (docs/autocast.md)
+        self._fp32_region = enabled and self.fast_dtype == torch.float32
         self.cache_enabled = cache_enabled
         self.policy = coerce_policy(policy)
         self.report: DtypeReport | None = DtypeReport() if report else None
@@ -320,7 +322,14 @@ class autocast:
         entered = Entered(native)
         self._stack.append(entered)
         try:
-            _enter_policy(entered, self.device, self.fast_dtype, self.policy, self.report)
+            _enter_policy(
+                entered,
+                self.device,
+                self.fast_dtype,
+                self.policy,
+                self.report,
+                self.__dict__.get("_fp32_region", False),
+            )
         except BaseException:
             self._stack.pop()
             native.__exit__(None, None, None)
@@ -400,12 +409,9 @@ class autocast:
 
     @staticmethod
     def detach_hooks(module: torch.nn.Module) -> int:
-        """Remove the rule hooks policy regions attached to ``module`` and its submodules.
-
-        Modules that carried a rule keep two inert forward hooks after the region (they replay
-        the rule when ``torch.utils.checkpoint`` recomputes the module in backward). They cost
-        nothing measurable; remove them to hand the model to code that dislikes hooks. A later
-        policy region attaches them again where needed.
+        """Kept for code written against earlier releases: policy regions attach nothing to
+        modules any more (the rules live in the region and in checkpoint recompute functions),
+        so there is nothing to remove; the names kept for ``module`` as a root are forgotten.
 
         Example:
             >>> import torch
@@ -414,10 +420,10 @@ class autocast:
             >>> with mixprec.autocast("cpu", policy="nn.LayerNorm=fp32"):
             ...     _ = model(torch.randn(1, 2))
             >>> mixprec.autocast.detach_hooks(model)
-            1
+            0
 
         Returns:
-            The number of modules whose hooks were removed.
+            0, the number of modules that carried mixprec hooks.
 
         Host sync: none.
         """
@@ -435,5 +441,5 @@ class autocast:
 # eagerly through these (only then: a disabled frame is dearer than a plain call). torch's own
 # lazy form of torch.compiler.disable is used: the eager one would import torch._dynamo (and
 # sympy) at `import mixprec`, for users who never compile.
-_enter_full_eagerly = _disable_dynamo(autocast._enter_full)
-_exit_full_eagerly = _disable_dynamo(autocast._exit_full)
+_enter_full_eagerly = disable_dynamo(autocast._enter_full)
+_exit_full_eagerly = disable_dynamo(autocast._exit_full)

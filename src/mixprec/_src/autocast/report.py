@@ -7,11 +7,10 @@ from contextlib import contextmanager
 from typing import Any, NamedTuple
 
 import torch
-from torch.utils._python_dispatch import TorchDispatchMode
-from torch.utils._pytree import tree_leaves
 
 from mixprec._src.autocast.modules import current_module_name
 from mixprec._src.autocast.rules import format_dtype
+from mixprec._src.torch_compat import DispatchMode, pytree_leaves
 
 _SKIP = frozenset({"aten::detach", "aten::alias", "aten::lift_fresh"})
 
@@ -38,10 +37,10 @@ def _op_name(func: Any) -> str:
 
 
 def _dtypes(value: Any) -> tuple[str, ...]:
-    return tuple(format_dtype(t.dtype) for t in tree_leaves(value) if isinstance(t, torch.Tensor))
+    return tuple(format_dtype(t.dtype) for t in pytree_leaves(value) if isinstance(t, torch.Tensor))
 
 
-class _Recorder(TorchDispatchMode):
+class _Recorder(DispatchMode):
     """Observes (never changes) every aten op below autograd; opt-in because it is slow."""
 
     def __init__(self, report: DtypeReport, phase: str) -> None:

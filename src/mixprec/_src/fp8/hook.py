@@ -1,35 +1,45 @@
-"""What a policy rule calls: run the matmuls of the served modules in fp8 while a forward runs.
+"""What an fp8-family rule does while a module's forward runs: serve the matmuls on its weights.
 
-The caller (the autocast module-rule hooks) enters :func:`enter_modules` (one module's own rule,
-or the Linear modules under a container's rule; :func:`enter_module` for one) before the forward
-and :func:`exit_module` after it. In between, a narrowly scoped ``TorchFunctionMode`` replaces the
-``F.linear`` calls on the served modules' weights with :func:`fp8_linear`; every other call
-passes through. The mode traces under ``torch.compile`` (no graph break) and is re-entered by
-the same hooks when ``torch.utils.checkpoint`` recomputes the module.
+The caller (the autocast module hooks, or :func:`enter_module`) opens a :class:`Scope` per module
+call and keeps one :class:`Fp8Mode` entered while any scope is open in the thread. The mode sees
+every torch function call and follows the module's *parameters* and every tensor computed from
+one (a transposed, scaled, LoRA-merged or parametrized weight): a matmul (``F.linear``, ``@`` /
+``torch.matmul``, ``mm``, ``mv``, ``addmm``, ``addmv``) with such an operand is rewritten as
+``y = x @ W.T`` and handed to :func:`serve_linear`, the one place where a weight operand meets the
+recipe's matmul; every other call passes through. Which scope governs the call (its recipe, name
+and stats) is the innermost one, asked at each call: a module with a rule of another kind inside a
+served one is not served. A matmul family call the recipe cannot run on such an operand
+(``bmm``, ``einsum``, the packed projections of ``F.multi_head_attention_forward``) is refused,
+and a guarded scope (a module the rule names, or a Linear) that closes having served nothing is
+an error naming the module and what it called (:func:`close_scope`). The mode traces under
+``torch.compile``.
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable, Sequence
+from collections.abc import Callable
 from typing import Any
 
 import torch
 import torch.nn.functional as F
 from torch import nn
-from torch._compile import _disable_dynamo
-from torch.nn.utils import parametrize
 from torch.overrides import TorchFunctionMode
 
 from mixprec._src.fp8.matmul import Plan, fp8_linear, use_scaled_mm
 from mixprec._src.fp8.recipes import Recipe
-from mixprec._src.fp8.stats import active_stats
+from mixprec._src.fp8.stats import Fp8Stats, active_stats
+from mixprec._src.torch_compat import disable_dynamo
 from mixprec.errors import ConfigError
 
-SERVES = "nn.Linear and its subclasses (modules whose forward calls F.linear on self.weight)"
+SERVES = (
+    "nn.Linear and every matmul a module's forward runs on its weights or on tensors computed "
+    "from them (F.linear, @ / torch.matmul, mm, mv, addmm, addmv)"
+)
 
 
 def can_serve(module_type: type) -> bool:
-    """Whether an fp8 rule can run modules of this type in fp8.
+    """Whether an fp8 class rule may name this module type (every ``nn.Linear`` subclass, and
+    every class outside torch.nn, whose forward the rule's guard checks at run time).
 
     Example:
         >>> can_serve(nn.Linear), can_serve(nn.Conv2d)
@@ -37,29 +47,117 @@ def can_serve(module_type: type) -> bool:
 
     Host sync: none.
     """
-    return isinstance(module_type, type) and issubclass(module_type, nn.Linear)
+    if not isinstance(module_type, type) or not issubclass(module_type, nn.Module):
+        return False
+    return issubclass(module_type, nn.Linear) or not module_type.__module__.startswith("torch.")
 
 
-class Fp8LinearMode(TorchFunctionMode):
-    """Routes ``F.linear(x, weight, bias)`` on the given weights to the fp8 Linear, each with
-    its own plan; every other call passes through.
+class Scope:
+    """One module call served by a recipe: its name, the stats it records into, and what it did
+    (served matmuls, the calls that took one of its weights). Host sync: none."""
+
+    __slots__ = ("called", "guarded", "hp", "model", "name", "recipe", "served", "stats")
+
+    def __init__(
+        self,
+        name: str,
+        recipe: Recipe,
+        hp: torch.dtype,
+        stats: Fp8Stats | None,
+        guarded: bool,
+        model: object = None,
+    ) -> None:
+        self.name, self.recipe, self.hp, self.stats = name, recipe, hp, stats
+        self.guarded, self.model = guarded, model
+        self.served = 0
+        self.called: list[str] = []  # the functions that took one of its weights
+
+    def plan(self, device: torch.device) -> Plan:
+        """The plan of one served matmul on ``device``. Host sync: none."""
+        slot = None
+        if self.stats is not None:
+            slot = self.stats.slot(self.name, device, self.recipe.name, self.model)
+        return Plan(self.recipe, self.hp, use_scaled_mm(device, self.recipe), slot, self.name)
+
+
+def serve_linear(
+    scope: Scope, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None
+) -> torch.Tensor:
+    """``F.linear(x, weight, bias)`` on the recipe of ``scope``: the one place where a ruled
+    module's weight operand (``(out, in)``, whatever form the forward gave it) is handed to the
+    recipe's matmul.
+
+    Example:
+        >>> from mixprec._src.fp8.recipes import get_recipe
+        >>> s = Scope("fc", get_recipe("tensorwise"), torch.float32, None, True)
+        >>> serve_linear(s, torch.ones(2, 4), torch.ones(3, 4), None).shape
+        torch.Size([2, 3])
+
+    Raises:
+        ConfigError: the recipe's blocks do not tile the weight (names the module).
+
+    Host sync: none.
+    """
+    if weight.dim() != 2:
+        raise ConfigError(_unservable(scope.name, f"a matmul on a {weight.dim()}-D weight"))
+    check_shape(scope.name, tuple(weight.shape), scope.recipe)
+    scope.served += 1
+    if weight.numel() == 0:  # Linear(0, n) or Linear(n, 0): nothing to scale, zeros as nn.Linear
+        with torch.autocast(x.device.type, enabled=False):
+            out = x.to(scope.hp) @ weight.to(scope.hp).t()
+            return out if bias is None else out + bias.to(scope.hp)
+    return fp8_linear(x, weight, bias, scope.plan(weight.device))
+
+
+# ---------------------------------------------------------------- the mode
+_LINEAR = {F.linear}
+_MATMUL = {torch.matmul, torch.Tensor.matmul, torch.Tensor.__matmul__, torch.mm, torch.Tensor.mm}
+_MV = {torch.mv, torch.Tensor.mv}
+_ADDMM = {torch.addmm, torch.Tensor.addmm}
+_ADDMV = {torch.addmv, torch.Tensor.addmv}
+_REFUSED = {
+    torch.bmm,
+    torch.Tensor.bmm,
+    torch.baddbmm,
+    torch.Tensor.baddbmm,
+    torch.einsum,
+    torch.tensordot,
+    torch.addbmm,
+    F.bilinear,
+    F.multi_head_attention_forward,
+}
+
+
+class Fp8Mode(TorchFunctionMode):
+    """Serves the matmuls on followed tensors (parameters and what is computed from them) under
+    the scope ``current()`` returns (None: pass through).
 
     Example:
         >>> from mixprec._src.fp8.recipes import get_recipe
         >>> lin = nn.Linear(4, 3)
-        >>> plan = Plan(get_recipe("rowwise"), torch.float32, scaled_mm=False)
-        >>> with Fp8LinearMode(((lin.weight, plan),)):
-        ...     y = lin(torch.randn(2, 4))
-        >>> y.grad_fn.name()
-        'AddBackward0'
+        >>> s = Scope("lin", get_recipe("rowwise"), torch.float32, None, True)
+        >>> with Fp8Mode(list(lin.parameters()), lambda: s):
+        ...     y = torch.randn(2, 4) @ lin.weight.t()
+        >>> s.served
+        1
 
     Host sync: none.
     """
 
-    def __init__(self, served: tuple[tuple[torch.Tensor, Plan], ...], cache: Any = None) -> None:
+    def __init__(self, followed: list[torch.Tensor], current: Callable[[], Scope | None]) -> None:
         super().__init__()
-        self.served = served  # compared with ``is``: traceable, and tied weights need no care
-        self.cache = cache  # parametrize's cache, open while a parametrized weight is served
+        self.followed = followed  # compared with ``is``: traceable, and tied weights need no care
+        self.current = current
+
+    def follow(self, tensors: list[torch.Tensor]) -> None:
+        """Follow these tensors too (the parameters of a module whose scope opens). Host sync:
+        none."""
+        for t in tensors:
+            if not self._followed(t):
+                self.followed.append(t)
+
+    def _followed(self, value: object) -> bool:
+        return isinstance(value, torch.Tensor) and any(value is t for t in self.followed)
 
     def __torch_function__(
         self,
@@ -69,89 +167,141 @@ class Fp8LinearMode(TorchFunctionMode):
         kwargs: dict[str, Any] | None = None,
     ) -> Any:
         kwargs = kwargs or {}
-        if func is F.linear:
-            weight = args[1] if len(args) > 1 else kwargs.get("weight")
-            for served, plan in self.served:
-                if weight is served:
-                    bias = args[2] if len(args) > 2 else kwargs.get("bias")
-                    x = args[0] if args else kwargs["input"]
-                    return fp8_linear(x, weight, bias, plan)
-        return func(*args, **kwargs)
+        tensors = [v for v in (*args, *kwargs.values()) if isinstance(v, torch.Tensor)]
+        tensors += [
+            t
+            for v in (*args, *kwargs.values())
+            if isinstance(v, (list, tuple))
+            for t in v
+            if isinstance(t, torch.Tensor)
+        ]
+        hit = [t for t in tensors if self._followed(t)]
+        if not hit:
+            return func(*args, **kwargs)
+        # Computed from weights alone (and scalars): a weight too. An activation among the
+        # inputs (an embedding's indices, the forward's input) makes the result an activation.
+        weight_only = all(self._followed(t) or t.dim() == 0 for t in tensors)
+        scope = self.current()
+        if scope is not None and not weight_only:
+            served = _serve(self, scope, func, args, kwargs)
+            if served is not None:
+                return served
+        out = func(*args, **kwargs)
+        if weight_only:
+            self._follow_output(out)
+        return out
+
+    def _follow_output(self, out: object) -> None:
+        if isinstance(out, torch.Tensor):
+            self.followed.append(out)
+        elif isinstance(out, (list, tuple)):
+            self.followed.extend(t for t in out if isinstance(t, torch.Tensor))
 
 
-def enter_module(
-    module: nn.Module, name: str | None, recipe: Recipe, hp: torch.dtype
-) -> Fp8LinearMode | None:
-    """Start running ``module``'s own matmul in fp8 (the rest stays as it was); None if it has
-    no weight to serve. ``hp`` is the high-precision dtype around the matmuls. While an
-    :class:`~mixprec.Fp8Stats` is entered, the module's casts are recorded under ``name``.
-
-    Example:
-        >>> from mixprec._src.fp8.recipes import get_recipe
-        >>> lin = nn.Linear(4, 3)
-        >>> token = enter_module(lin, "lin", get_recipe("tensorwise"), torch.float32)
-        >>> y = lin(torch.randn(2, 4)); exit_module(token)
-
-    Host sync: none.
-    """
-    return enter_modules(((name or "", module),), recipe, hp)
+def _arg(args: tuple[Any, ...], kwargs: dict[str, Any], i: int, name: str) -> Any:
+    return args[i] if len(args) > i else kwargs.get(name)
 
 
-def enter_modules(
-    targets: Sequence[tuple[str, nn.Module]], recipe: Recipe, hp: torch.dtype
-) -> Fp8LinearMode | None:
-    """Start running the matmuls of several modules in fp8, each recorded under its own name
-    (what a rule on a container does for the Linear modules inside it); None if none of them
-    has a weight to serve.
-
-    Example:
-        >>> from mixprec._src.fp8.recipes import get_recipe
-        >>> net = nn.Sequential(nn.Linear(4, 4), nn.ReLU(), nn.Linear(4, 2))
-        >>> targets = [("0", net[0]), ("2", net[2])]
-        >>> token = enter_modules(targets, get_recipe("rowwise"), torch.float32)
-        >>> y = net(torch.randn(2, 4)); exit_module(token)
-
-    Host sync: none.
-    """
-    stats = active_stats()
-    if stats is not None and torch.compiler.is_compiling():
-        _refuse_stats_while_compiling()
-    served: list[tuple[torch.Tensor, Plan]] = []
-    cache = None
-    for name, module in targets:
-        if parametrize.is_parametrized(module, "weight"):
-            # Recomputed at each access: computed here with parametrize's cache open, the
-            # forward's F.linear receives this very tensor (its gradient flows to the
-            # parametrization's parameters).
-            if torch.compiler.is_compiling():
-                _refuse_parametrized_while_compiling(name)
-            cache = cache or _ParametrizeCache()
-        weight = getattr(module, "weight", None)
-        if isinstance(weight, torch.Tensor):
-            check_shape(name, tuple(weight.shape), recipe)
-            slot = None if stats is None else stats.slot(name, weight.device, recipe.name)
-            fast = use_scaled_mm(weight.device, recipe)
-            served.append((weight, Plan(recipe, hp, fast, slot, name)))
-    if not served:
-        if cache is not None:
-            cache.close()
+def _serve(
+    mode: Fp8Mode, scope: Scope, func: Any, args: tuple[Any, ...], kwargs: dict[str, Any]
+) -> torch.Tensor | None:
+    """The served result of a matmul on a weight operand and an activation; None: not a matmul
+    on a weight (run as written). Refuses a matmul on a weight that the recipe cannot run."""
+    label = _label(func)
+    if len(scope.called) < 8 and label not in scope.called:
+        scope.called.append(label)
+    on = mode._followed
+    if func in _LINEAR:
+        x, w = _arg(args, kwargs, 0, "input"), _arg(args, kwargs, 1, "weight")
+        if on(w):
+            return serve_linear(scope, x, w, _arg(args, kwargs, 2, "bias"))
+        if on(x):
+            _refuse(scope.name, label)
         return None
-    mode = Fp8LinearMode(tuple(served), cache)
-    mode.__enter__()
-    return mode
+    if func in _MATMUL or func in _MV or func is torch.Tensor.__rmatmul__:
+        a, b = (args[1], args[0]) if func is torch.Tensor.__rmatmul__ else (args[0], args[1])
+        return _serve_product(scope, a, b, None, label, on(a), on(b))
+    if func in _ADDMM or func in _ADDMV:
+        bias, a, b = _arg(args, kwargs, 0, "input"), args[1], args[2]
+        if not (on(a) or on(b)):
+            return None
+        if kwargs.get("beta", 1) == 1 and kwargs.get("alpha", 1) == 1:
+            return _serve_product(scope, a, b, bias, label, on(a), on(b))
+    if func in _REFUSED or func in _ADDMM or func in _ADDMV:
+        _refuse(scope.name, label)
+    return None
 
 
-class _ParametrizeCache:
-    """``torch.nn.utils.parametrize.cached()`` opened in one hook and closed in another (the
-    same two steps as the context manager, which torch.compile cannot trace across hooks)."""
+def _serve_product(
+    scope: Scope,
+    a: torch.Tensor,
+    b: torch.Tensor,
+    bias: torch.Tensor | None,
+    label: str,
+    a_weight: bool,
+    b_weight: bool,
+) -> torch.Tensor | None:
+    """``a @ b (+ bias)`` with the weight operand as the recipe's weight."""
+    if b_weight and not a_weight and b.dim() == 2:  # x @ B: the weight is B.T
+        return serve_linear(scope, a, b.t(), bias)
+    if a_weight and not b_weight and a.dim() == 2:  # W @ x = (x.T @ W.T).T
+        out = serve_linear(scope, b.mT if b.dim() > 1 else b, a, None)
+        out = out.mT if b.dim() > 1 else out
+        return out if bias is None else out + bias
+    if a_weight or b_weight:
+        _refuse(scope.name, f"{label} on a {max(a.dim(), b.dim())}-D weight")
+    return None
 
-    def __init__(self) -> None:
-        parametrize._cache_enabled += 1
 
-    def close(self) -> None:
-        parametrize._cache_enabled -= 1
-        if not parametrize._cache_enabled:
-            parametrize._cache = {}
+def _label(func: Any) -> str:
+    name = getattr(func, "__name__", repr(func))
+    if getattr(F, name, None) is func:
+        return f"F.{name}"
+    if getattr(torch, name, None) is func:
+        return f"torch.{name}"
+    return f"Tensor.{name}"
+
+
+def _unservable(name: str, what: str) -> str:
+    if what == "F.multi_head_attention_forward":
+        return attention_message(name)
+    shown = repr(name) if name else "the model"
+    return (
+        f"an fp8-family rule serves module {shown}, whose forward runs {what} on one of its "
+        f"weights: the recipe runs {SERVES}, not that. Give the module a rule that is not fp8 "
+        f"(e.g. '{name or '<module>'}=bf16'), or write that matmul as one of those."
+    )
+
+
+@disable_dynamo
+def _refuse(name: str, label: str) -> None:
+    # Dynamo runs this eagerly (a graph break), so the error reaches the user.
+    raise ConfigError(_unservable(name, label))
+
+
+def attention_message(name: str) -> str:
+    """The error for an fp8 rule that reaches an ``nn.MultiheadAttention``. Host sync: none."""
+    shown = repr(name) if name else "the model"
+    return (
+        f"an fp8 rule reaches nn.MultiheadAttention {shown}: its forward calls "
+        "F.multi_head_attention_forward with its packed projection weights, so no fp8 rule can "
+        "serve its projections (out_proj's own forward never runs). Give it a rule of its own "
+        f"that is not fp8 (e.g. '{name or '<module>'}=bf16', or "
+        "Policy(modules={nn.MultiheadAttention: 'bf16'})), or build the attention from "
+        "nn.Linear projections and F.scaled_dot_product_attention."
+    )
+
+
+def served_nothing(scope: Scope, kind: str) -> ConfigError:
+    """The error of a guarded scope that closed having served no matmul. Host sync: none."""
+    shown = repr(scope.name) if scope.name else "the model"
+    called = ", ".join(scope.called) if scope.called else "no torch function on its weights"
+    return ConfigError(
+        f"module {shown} ({kind}) ran under an fp8-family rule ({scope.recipe.name}) and issued "
+        f"no matmul the recipe serves: with its weights it called {called}. fp8 serves "
+        f"{SERVES}. Give it a rule that is not fp8 (e.g. '{scope.name or '<module>'}=bf16'), "
+        "or compute its matmuls with one of those."
+    )
 
 
 def fits(shape: tuple[int, ...], recipe: Recipe) -> bool:
@@ -204,28 +354,54 @@ _STATS_COMPILE_MSG = (
 )
 
 
-@_disable_dynamo
-def _refuse_stats_while_compiling() -> None:
-    # Dynamo runs this eagerly (a graph break), so the error reaches the user.
+@disable_dynamo
+def refuse_stats_while_compiling() -> None:
+    """Dynamo runs this eagerly (a graph break), so the error reaches the user. Host sync:
+    none."""
     raise ConfigError(_STATS_COMPILE_MSG)
 
 
-@_disable_dynamo
-def _refuse_parametrized_while_compiling(name: str) -> None:
-    # Traced, reading the weight here calls the parametrization's modules inside this hook,
-    # which dynamo does not follow reliably: refuse rather than risk a module run without fp8.
-    raise ConfigError(
-        f"an fp8-family rule reaches the parametrized Linear {name!r} (its weight is "
-        "recomputed at each access, e.g. weight_norm) inside a torch.compile'd model, where "
-        "mixprec cannot serve it: run that module eagerly, give it a rule of its own that is "
-        f"not fp8 (e.g. '{name or '<module>'}=bf16'), or remove the parametrization "
-        "(torch.nn.utils.parametrize.remove_parametrizations) before compiling"
-    )
+def stats_for_scope() -> Fp8Stats | None:
+    """The :class:`~mixprec.Fp8Stats` a scope opening now records into (refused while tracing).
+
+    Host sync: none.
+    """
+    stats = active_stats()
+    if stats is not None and torch.compiler.is_compiling():
+        refuse_stats_while_compiling()
+    return stats
 
 
-def exit_module(token: Fp8LinearMode | None) -> None:
-    """Undo :func:`enter_module` or :func:`enter_modules`. Host sync: none."""
+# ---------------------------------------------------------------- one module, standalone
+class Token:
+    """What :func:`enter_module` entered (for :func:`exit_module`). Host sync: none."""
+
+    __slots__ = ("mode", "scope")
+
+    def __init__(self, mode: Fp8Mode, scope: Scope) -> None:
+        self.mode, self.scope = mode, scope
+
+
+def enter_module(module: nn.Module, name: str | None, recipe: Recipe, hp: torch.dtype) -> Token:
+    """Serve every matmul on ``module``'s weights by ``recipe`` until :func:`exit_module`
+    (whatever calls them), with ``hp`` the dtype around them; while an
+    :class:`~mixprec.Fp8Stats` is entered, the casts are recorded under ``name``.
+
+    Example:
+        >>> from mixprec._src.fp8.recipes import get_recipe
+        >>> lin = nn.Linear(4, 3)
+        >>> token = enter_module(lin, "lin", get_recipe("tensorwise"), torch.float32)
+        >>> y = lin(torch.randn(2, 4)); exit_module(token)
+
+    Host sync: none.
+    """
+    scope = Scope(name or "", recipe, hp, stats_for_scope(), guarded=False)
+    mode = Fp8Mode(list(module.parameters()), lambda: scope)
+    mode.__enter__()
+    return Token(mode, scope)
+
+
+def exit_module(token: Token | None) -> None:
+    """Undo :func:`enter_module`. Host sync: none."""
     if token is not None:
-        token.__exit__(None, None, None)
-        if token.cache is not None:
-            token.cache.close()
+        token.mode.__exit__(None, None, None)

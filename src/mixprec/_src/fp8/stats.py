@@ -5,8 +5,10 @@ from __future__ import annotations
 
 import math
 import threading
+import weakref
 from dataclasses import dataclass
 from types import TracebackType
+from typing import Any
 
 import torch
 
@@ -171,9 +173,13 @@ class Fp8Stats:
     every cast, and each module says which path its matmuls took (``path``: hardware or
     emulated). A checkpointed module's recomputation in backward is not counted twice.
 
-    A module is recorded once per recipe: run under two recipes while one ``Fp8Stats`` is
-    entered, it has two records, keyed ``"name:recipe"`` (a module seen under one recipe only
-    is keyed by its name).
+    A module is recorded once per model and recipe: run under two recipes while one
+    ``Fp8Stats`` is entered, it has two records, keyed ``"name:recipe"`` (a module seen under
+    one recipe only is keyed by its name). Two models run in one region (a GAN's generator and
+    discriminator, a teacher and a student) keep separate records; where both have a module of
+    one name, each is keyed ``"Model/name"`` with its model's class name (``"Model#1/name"`` for
+    a second model of the same class). A backward records into the records of its forward,
+    whenever it runs: after the block exited too, and checkpoint recomputation included.
 
     Example:
         >>> import torch
@@ -191,7 +197,8 @@ class Fp8Stats:
     """
 
     def __init__(self) -> None:
-        self._slots: dict[tuple[str, str], Slot] = {}
+        self._slots: dict[tuple[int, str, str], Slot] = {}
+        self._models: dict[int, tuple[Any, str]] = {}  # model key -> (weak reference, label)
 
     def __enter__(self) -> Fp8Stats:
         ACTIVE.stack.append(self)
@@ -210,26 +217,50 @@ class Fp8Stats:
             )
         ACTIVE.stack.remove(self)
 
-    def slot(self, name: str, device: torch.device, recipe: str) -> Slot:
-        """The slot of module ``name`` under ``recipe`` (created on first use).
+    def slot(self, name: str, device: torch.device, recipe: str, model: object = None) -> Slot:
+        """The slot of module ``name`` of ``model`` (the module called at the top of the region)
+        under ``recipe`` (created on first use).
 
         Host sync: none.
         """
-        found = self._slots.get((name, recipe))
+        key = (self._model_key(model), name, recipe)
+        found = self._slots.get(key)
         if found is None:
-            found = self._slots[(name, recipe)] = Slot(device, recipe)
+            found = self._slots[key] = Slot(device, recipe)
         return found
 
+    def _model_key(self, model: object) -> int:
+        """A number per model seen (0: none given), each labelled by its class name."""
+        if model is None:
+            return 0
+        for key, (ref, _) in self._models.items():
+            if ref() is model:
+                return key
+        label = type(model).__name__
+        same = sum(1 for _, lab in self._models.values() if lab.partition("#")[0] == label)
+        if same:
+            label = f"{label}#{same}"
+        key = len(self._models) + 1
+        self._models[key] = (weakref.ref(model), label)
+        return key
+
     def _keys(self) -> dict[str, Slot]:
-        """Each record under its key: the module's name, or ``"name:recipe"`` for a module
-        recorded under more than one recipe."""
-        per_name: dict[str, int] = {}
-        for name, _ in self._slots:
-            per_name[name] = per_name.get(name, 0) + 1
-        return {
-            (name if per_name[name] == 1 else f"{name}:{recipe}"): slot
-            for (name, recipe), slot in self._slots.items()
-        }
+        """Each record under its key: the module's name; ``"Model/name"`` when two models have a
+        module of that name; ``":recipe"`` appended for a module recorded under several recipes."""
+        models_of: dict[str, set[int]] = {}
+        recipes_of: dict[tuple[int, str], int] = {}
+        for model, name, _ in self._slots:
+            models_of.setdefault(name, set()).add(model)
+            recipes_of[(model, name)] = recipes_of.get((model, name), 0) + 1
+        keyed = {}
+        for (model, name, recipe), slot in self._slots.items():
+            key = name
+            if len(models_of[name]) > 1:
+                key = f"{self._models[model][1] if model else '?'}/{name}"
+            if recipes_of[(model, name)] > 1:
+                key = f"{key}:{recipe}"
+            keyed[key] = slot
+        return keyed
 
     @property
     def names(self) -> list[str]:
@@ -250,6 +281,7 @@ class Fp8Stats:
     def reset(self) -> None:
         """Forget everything recorded. Host sync: none."""
         self._slots.clear()
+        self._models.clear()
 
     def read(self) -> dict[str, Fp8ModuleStats]:
         """Every record's stats as Python numbers, keyed as :attr:`names`.

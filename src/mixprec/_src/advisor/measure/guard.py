@@ -1,4 +1,4 @@
-"""Leave the user's model as it was: gradients, buffers, RNG state and mixprec's hook records.
+"""Leave the user's model as it was: gradients, buffers, RNG state and training flags.
 
 The advisor runs many forward and backward passes on the user's own model (not a copy, so that a
 loss function that reaches the model through a closure measures the same object). :class:`Guard`
@@ -18,7 +18,6 @@ import torch
 from torch import nn
 
 from mixprec._src import torch_compat
-from mixprec._src.autocast.modules import module_records, restore_module_records
 from mixprec.errors import ConfigError
 
 
@@ -36,7 +35,6 @@ class Guard:
         self._buffers: list[tuple[nn.Module, str, torch.Tensor, torch.Tensor]] = []
         self._versions: list[int] = []
         self._rng: tuple[Any, ...] = ()
-        self._records: dict[int, dict[str, Any]] = {}
         self._modes: list[tuple[nn.Module, bool]] = []
 
     def __enter__(self) -> Guard:
@@ -49,7 +47,6 @@ class Guard:
                 self._buffers.append((mod, name, buf, buf.detach().clone()))
         self._rng = _rng_state(self.device)
         self._modes = [(m, m.training) for m in self.model.modules()]
-        self._records = module_records(self.model)
         return self
 
     def reset(self) -> None:
@@ -102,7 +99,6 @@ class Guard:
         self._restore_buffers()
         self._restore_modes()
         _set_rng_state(self.device, self._rng)
-        restore_module_records(self.model, self._records)
 
 
 def _device_rng(device: torch.device) -> Any:
