@@ -123,11 +123,11 @@ def _open_scope(call: Call, module: nn.Module, eff: Effective, frame: Frame, roo
     weights = [*module.parameters(), *module.buffers()]
     tls = TLS
     if tls.mode is None:
-        tls.mode = fp8_hook.Fp8Mode(weights, current_scope)
+        tls.mode = fp8_hook.Fp8Mode(weights, current_scope, [module])
         tls.mode.__enter__()
         call.holds_mode = True
     else:
-        tls.mode.follow(weights)
+        tls.mode.follow(weights, module)
 
 
 def _close(call: Call, frame: Frame | None, output: Any, failed: bool) -> Any:

@@ -173,7 +173,8 @@ class _Weight:
         self.owner.count_gather(nbytes)
         stats = active_stats()
         if stats is not None:
-            stats.slot(self.name, inputs[0].device, self.recipe.name).gathered += nbytes
+            slot = stats.slot(self.name, inputs[0].device, self.recipe.name, self.owner.model)
+            slot.gathered += nbytes
         return inputs, carried
 
     def post_all_gather(

@@ -144,20 +144,38 @@ class Fp8Mode(TorchFunctionMode):
     Host sync: none.
     """
 
-    def __init__(self, followed: list[torch.Tensor], current: Callable[[], Scope | None]) -> None:
+    def __init__(
+        self,
+        followed: list[torch.Tensor],
+        current: Callable[[], Scope | None],
+        modules: list[nn.Module] | None = None,
+    ) -> None:
         super().__init__()
         self.followed = followed  # compared with ``is``: traceable, and tied weights need no care
         self.current = current
+        # Modules whose weights are followed as they hold them when the forward runs them: a
+        # module hook that runs after mixprec's (FSDP2's unshard) may swap a parameter in.
+        self.modules = modules or []
 
-    def follow(self, tensors: list[torch.Tensor]) -> None:
-        """Follow these tensors too (the parameters of a module whose scope opens). Host sync:
-        none."""
+    def follow(self, tensors: list[torch.Tensor], module: nn.Module | None = None) -> None:
+        """Follow these tensors too (the parameters of a module whose scope opens), and the
+        weights ``module`` holds at each later call. Host sync: none."""
         for t in tensors:
             if not self._followed(t):
                 self.followed.append(t)
+        if module is not None:
+            self.modules.append(module)
 
     def _followed(self, value: object) -> bool:
-        return isinstance(value, torch.Tensor) and any(value is t for t in self.followed)
+        if not isinstance(value, torch.Tensor):
+            return False
+        if any(value is t for t in self.followed):
+            return True
+        for module in self.modules:
+            if any(value is t for t in (*module.parameters(), *module.buffers())):
+                self.followed.append(value)
+                return True
+        return False
 
     def __torch_function__(
         self,
