@@ -8,7 +8,7 @@ CODE   := $(wildcard src tests benchmarks examples)
 .PHONY: venv demo test test-torch test-torches test-other-cpu lint typecheck bench docs-numbers clean
 
 EXTRAS := test,progress,plot,lightning,accelerate,tensorboard
-# The recipes' trainers (docs/transformers.md, timm.md, lightning.md; tests/test_recipes.py):
+# The recipes' trainers (docs/transformers.md, timm.md, lightning.md; tests/integrations/test_recipes.py):
 # both Lightning distributions, transformers, and timm without its torchvision (no CPU build
 # of torchvision installs beside the CPU torch).
 TRAINERS := lightning transformers
@@ -83,7 +83,7 @@ bench: $(STAMP)
 	$(PY) benchmarks/run.py
 
 docs-numbers: $(STAMP)
-	$(PY) -m tests.test_docs_numbers --write
+	$(PY) -m tests.docs.test_docs_numbers --write
 
 clean:
 	rm -rf $(VENV) .venv-torch-* build dist *.egg-info src/*.egg-info .pytest_cache .mypy_cache .ruff_cache

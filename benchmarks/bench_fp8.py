@@ -292,7 +292,7 @@ NO_TORCHAO = (
     "emulated MXFP8\ntraining in fp32 (it refuses a bf16 input beside fp32 weights), each "
     "Linear's bias added outside it.\nNo torchao row for blockwise and nvfp4: torchao 0.18 "
     "trains them with Triton kernels only (no CPU\npath); its NVFP4Tensor casts are compared "
-    "bit for bit in tests/test_fp8_blocks.py."
+    "bit for bit in tests/fp8/test_fp8_blocks.py."
 )
 
 

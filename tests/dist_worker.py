@@ -1,4 +1,4 @@
-"""One rank of the 2-process gloo worlds that tests/test_distributed.py spawns.
+"""One rank of the 2-process gloo worlds that tests/scaler/test_distributed.py spawns.
 
 Usage: ``python dist_worker.py RANK WORLD_SIZE PORT_FILE OUTDIR SCENARIO [SCENARIO ...]``.
 Each scenario writes ``OUTDIR/<scenario>-<rank>.pt`` (a dict of plain values and tensors) that

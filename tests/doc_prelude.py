@@ -1,4 +1,5 @@
-"""Run at the start of each documentation snippet by tests/test_doc_snippets.py (with runpy, on the
+"""Run at the start of each documentation snippet by tests/docs/test_doc_snippets.py (with runpy,
+on the
 snippet file's first line, which is blank padding in the doc: the snippet keeps its doc line
 numbers and gets no name of ours in its namespace).
 

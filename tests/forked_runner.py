@@ -1,6 +1,7 @@
 """Run Python scripts, each in its own forked process; and read the ```python blocks of Markdown.
 
-Used by tests/test_examples.py and tests/test_doc_snippets.py (each doc snippet written to a
+Used by tests/docs/test_examples.py and tests/docs/test_doc_snippets.py (each doc snippet written to
+a
 script of its own) through a subprocess::
 
     python tests/forked_runner.py LOGDIR TIMEOUT_S script PATH...

@@ -1,4 +1,4 @@
-"""One rank of the 2-process gloo world that tests/test_fp8_rule.py spawns: DDP + an fp8 rule.
+"""One rank of the 2-process gloo world that tests/fp8/test_fp8_rule.py spawns: DDP + an fp8 rule.
 
 Usage: ``python fp8_ddp_worker.py RANK WORLD_SIZE PORT_FILE OUTDIR``; writes
 ``OUTDIR/fp8-<rank>.pt`` (the parameters after a few steps, and the first step's loss).

@@ -1,4 +1,4 @@
-"""One rank of the gloo worlds that tests/test_fsdp_gather.py spawns: FSDP2 with and without the
+"""One rank of the gloo worlds that tests/fp8/test_fsdp_gather.py spawns: FSDP2 with and without the
 low-precision all-gather, every recipe.
 
 Usage: ``python fsdp_gather_worker.py RANK WORLD_SIZE PORT_FILE OUTDIR SCENARIO [SCENARIO ...]``.

@@ -1,4 +1,4 @@
-"""One rank of the gloo world that tests/test_fsdp_gather_torchtitan.py spawns: torchtitan's
+"""One rank of the gloo world that tests/fp8/test_fsdp_gather_torchtitan.py spawns: torchtitan's
 llama3 debug model built through :class:`mixprec.integrations.torchtitan.MixprecConverter`,
 sharded with FSDP2, trained a few steps in a plain loop, with and without the gather.
 

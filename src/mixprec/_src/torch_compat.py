@@ -194,7 +194,8 @@ def dynamo_disable(fn: Any) -> Any:
 
 # ---------------------------------------------------------------- autocast and the fp8 hook
 # Each entry: what it is for; the torch versions it was checked on (2.13.0, 2.14.1); what mixprec
-# does where the name is missing. tests/test_autocast_torch_compat.py checks each on the torch it
+# does where the name is missing. tests/autocast/test_autocast_torch_compat.py checks each on the
+# torch it
 # runs under.
 _Fn = TypeVar("_Fn", bound=Callable[..., Any])
 
@@ -206,7 +207,7 @@ disable_dynamo: Callable[[_Fn], _Fn] = _disable_dynamo  # type: ignore[assignmen
 def mark_constant(fn: _Fn) -> _Fn:
     """What ``torch.compiler.assume_constant_result`` does (Dynamo runs ``fn`` at trace time and
     guards on its arguments), without importing ``torch._dynamo``. Checked on 2.13.0, 2.14.1
-    (``tests/test_autocast_compile.py`` pins that the decorator still does only this).
+    (``tests/autocast/test_autocast_compile.py`` pins that the decorator still does only this).
 
     Example:
         >>> f = mark_constant(lambda: 0); f._dynamo_marked_constant

@@ -5,7 +5,8 @@
 ``torch.compile``; the first call of each imports ``torch._dynamo``, which takes seconds, longer
 than a short demo. Outside ``torch.compile`` these wrappers change nothing, so the demo, which
 compiles nothing, calls the functions they wrap.
-The numbers are torch's: ``tests/test_demo.py`` checks the demo's scaled run bit for bit against
+The numbers are torch's: ``tests/docs/test_demo.py`` checks the demo's scaled run bit for bit
+against
 ``torch.optim.Adam`` with ``torch.amp.GradScaler``.
 """
 

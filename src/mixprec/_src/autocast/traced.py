@@ -53,7 +53,8 @@ def compiled_rule(module: nn.Module, policy: Policy) -> Any:
 
 
 # What torch.compiler.assume_constant_result does, without importing torch._dynamo (and sympy)
-# at `import mixprec`; tests/test_autocast_compile.py checks the decorator still does only this.
+# at `import mixprec`; tests/autocast/test_autocast_compile.py checks the decorator still does
+# only this.
 mark_constant(compiled_rule)
 
 

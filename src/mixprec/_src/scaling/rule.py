@@ -13,7 +13,8 @@ later step is skipped silently.
 :func:`advance` is the host form (floats in, floats out, with the counters); :func:`advance_` is
 the device form: torch's ``_amp_update_scale_`` where the device has it and the settings are
 torch's, plus the floor, else the general form in tensor operations (:func:`general_advance_`).
-``tests/test_scaler_rule.py`` holds both to one reference, and the general form to torch's kernel.
+``tests/scaler/test_scaler_rule.py`` holds both to one reference, and the general form to torch's
+kernel.
 """
 
 from __future__ import annotations

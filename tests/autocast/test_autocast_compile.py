@@ -20,12 +20,12 @@ from typing import Any
 import pytest
 import torch
 import torch._dynamo
+from tests.autocast_helpers import CNN, MLP, Block, assert_bitwise, run
 from torch import nn
 from torch._dynamo.utils import counters
 from torch.utils.checkpoint import checkpoint
 
 import mixprec
-from autocast_helpers import CNN, MLP, Block, assert_bitwise, run
 from mixprec import Policy
 
 pytestmark = [

@@ -8,10 +8,10 @@ from __future__ import annotations
 import hypothesis.strategies as st
 import torch
 from hypothesis import given, settings
+from tests.autocast_helpers import MLP
 from torch import nn
 
 import mixprec
-from autocast_helpers import MLP
 from mixprec import Policy, Rule
 
 COMPUTE = ["fp32", "low", "keep", torch.bfloat16, torch.float16]

@@ -1,6 +1,7 @@
 """Many models and policies in one process under torch.compile, both compile styles (#23).
 
-tests/test_autocast_compile.py resets Dynamo before each case; here nothing is reset between
+tests/autocast/test_autocast_compile.py resets Dynamo before each case; here nothing is reset
+between
 steps, so what one compiled call leaves in Dynamo's caches (cache entries of mixprec's hooks, the
 recompile limit of a frame) meets the next model and policy, as in a long-running process. Each
 step builds fresh models and compares, bit for bit (``aot_eager``), an eager model, an in-place
@@ -13,11 +14,11 @@ from __future__ import annotations
 import pytest
 import torch
 import torch._dynamo
+from tests.autocast_helpers import MLP, assert_bitwise, run
 from torch import nn
 from torch._dynamo.utils import counters
 
 import mixprec
-from autocast_helpers import MLP, assert_bitwise, run
 from mixprec import Policy
 
 pytestmark = [

@@ -35,7 +35,9 @@ def test_norms_no_candidate_serves_are_not_kept_and_do_not_use_up_keep_at_most(
     assert nano_fp8.met
     assert not any("inf/NaN" in n for n in nano_fp8.notes)
     assert any("get no rule (BiasLayerNorm x5" in n for n in nano_fp8.notes)
-    assert all("no candidate serves BiasLayerNorm (fp8 serves 2D weights" in m.reason for m in norms)
+    assert all(
+        "no candidate serves BiasLayerNorm (fp8 serves 2D weights" in m.reason for m in norms
+    )
     for norm in norms:  # no rule: the region runs them
         assert nano_fp8.policy.module_rule(nn.LayerNorm(4), norm.name) is None
     assert nano_fp8.measured_sqnr is not None

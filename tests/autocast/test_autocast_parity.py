@@ -9,9 +9,9 @@ from typing import Any
 
 import pytest
 import torch
+from tests.autocast_helpers import bitwise_equal, make, step
 
 import mixprec
-from autocast_helpers import bitwise_equal, make, step
 from mixprec.errors import ConfigError
 
 BF16 = torch.bfloat16

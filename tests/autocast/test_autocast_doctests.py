@@ -9,10 +9,10 @@ import pickle
 
 import pytest
 import torch
+from tests.autocast_helpers import MLP
 from torch import nn
 
 import mixprec
-from autocast_helpers import MLP
 
 MODULES = [
     "mixprec._src.caller",

@@ -20,9 +20,11 @@ pytestmark = pytest.mark.skipif(
 
 @pytest.mark.slow
 def test_torchtitan_converter_with_the_gather(tmp_path: Path) -> None:
-    from tests.test_fsdp_gather import run_world
+    from tests.fp8.test_fsdp_gather import run_world
 
-    ranks = run_world(tmp_path, 2, [], Path(__file__).with_name("torchtitan_worker.py"))
+    ranks = run_world(
+        tmp_path, 2, [], (Path(__file__).resolve().parents[1] / "torchtitan_worker.py")
+    )
     for rank in range(2):
         result = torch.load(tmp_path / f"titan-{rank}.pt", weights_only=False)
         plain, low = result["plain"], result["low"]

@@ -8,7 +8,7 @@ from pathlib import Path
 
 import pytest
 
-BENCH = Path(__file__).resolve().parent.parent / "benchmarks" / "bench_autocast.py"
+BENCH = Path(__file__).resolve().parents[2] / "benchmarks" / "bench_autocast.py"
 
 
 @pytest.mark.parametrize(

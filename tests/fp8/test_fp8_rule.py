@@ -336,7 +336,7 @@ def test_docstring_examples_run(name: str) -> None:
 @pytest.mark.slow
 @pytest.mark.skipif(not torch.distributed.is_available(), reason="no torch.distributed")
 def test_ddp_two_ranks_keep_equal_parameters(tmp_path: Path) -> None:
-    worker = Path(__file__).with_name("fp8_ddp_worker.py")
+    worker = Path(__file__).resolve().parents[1] / "fp8_ddp_worker.py"
     port_file = tmp_path / f"port-{uuid.uuid4().hex[:8]}.txt"
     env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONWARNINGS": "ignore"}
     if sys.platform.startswith("linux"):

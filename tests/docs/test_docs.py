@@ -1,6 +1,6 @@
 """The docs are complete: the API reference names every public name, the index links every
 page, the README keeps its quick start. That every ```python snippet runs on its own and prints
-what the doc shows is tests/test_doc_snippets.py.
+what the doc shows is tests/docs/test_doc_snippets.py.
 """
 
 from __future__ import annotations
@@ -11,7 +11,7 @@ from pathlib import Path
 
 import mixprec
 
-ROOT = Path(__file__).resolve().parent.parent
+ROOT = Path(__file__).resolve().parents[2]
 DOCS = ROOT / "docs"
 
 

@@ -289,7 +289,7 @@ def test_gpu_check_fp8_section_runs_on_cpu(monkeypatch: pytest.MonkeyPatch) -> N
     import importlib.util
     from pathlib import Path
 
-    path = Path(__file__).resolve().parent.parent / "benchmarks" / "gpu_check.py"
+    path = Path(__file__).resolve().parents[2] / "benchmarks" / "gpu_check.py"
     spec = importlib.util.spec_from_file_location("gpu_check_fp8", path)
     assert spec is not None and spec.loader is not None
     gpu_check = importlib.util.module_from_spec(spec)
@@ -312,7 +312,7 @@ def test_bench_fp8_prints_its_tables(capsys: pytest.CaptureFixture[str]) -> None
     import importlib.util
     from pathlib import Path
 
-    path = Path(__file__).resolve().parent.parent / "benchmarks" / "bench_fp8.py"
+    path = Path(__file__).resolve().parents[2] / "benchmarks" / "bench_fp8.py"
     spec = importlib.util.spec_from_file_location("bench_fp8", path)
     assert spec is not None and spec.loader is not None
     bench = importlib.util.module_from_spec(spec)

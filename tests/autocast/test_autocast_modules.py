@@ -1,5 +1,5 @@
 """Module rules on real model shapes: containers, model surgery, and nothing kept after the region
-(#23 cases 3, 4 and 5). Eager; tests/test_autocast_compile.py has the compiled side."""
+(#23 cases 3, 4 and 5). Eager; tests/autocast/test_autocast_compile.py has the compiled side."""
 
 from __future__ import annotations
 

@@ -7,11 +7,11 @@ import threading
 import pytest
 import torch
 import torch.nn.functional as F
+from tests.autocast_helpers import MLP, bitwise_equal, make, step
 from torch import nn
 from torch.utils.checkpoint import checkpoint
 
 import mixprec
-from autocast_helpers import MLP, bitwise_equal, make, step
 from mixprec import Policy, Rule
 from mixprec.errors import ConfigError
 

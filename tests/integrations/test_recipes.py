@@ -7,7 +7,8 @@
   torchvision (which cannot be imported beside the CPU build of torch), bit-identical to the
   stock ``NativeScaler`` with torch's scaler.
 
-The 🤗 transformers ``Trainer`` recipe is docs/transformers.md, run by tests/test_doc_snippets.py.
+The 🤗 transformers ``Trainer`` recipe is docs/transformers.md, run by
+tests/docs/test_doc_snippets.py.
 """
 
 from __future__ import annotations
@@ -25,7 +26,7 @@ import pytest
 import torch
 from tests.forked_runner import python_blocks
 
-ROOT = Path(__file__).resolve().parent.parent
+ROOT = Path(__file__).resolve().parents[2]
 
 LIGHTNING_SCRIPT = """
 import warnings

@@ -27,7 +27,7 @@ pytestmark = pytest.mark.skipif(
     not torch.distributed.is_available(), reason="this torch build has no torch.distributed"
 )
 
-WORKER = Path(__file__).with_name("dist_worker.py")
+WORKER = Path(__file__).resolve().parents[1] / "dist_worker.py"
 WORLD = 2
 TIMEOUT_S = 60
 SPAWNED = ["ddp", "fsdp2", "fsdp2_fp16_policy", "fused", "fsdp1", "join", "clip", "ckpt_save"]

@@ -30,7 +30,7 @@ pytestmark = pytest.mark.skipif(
     not torch.distributed.is_available(), reason="this torch build has no torch.distributed"
 )
 
-WORKER = Path(__file__).with_name("fsdp_gather_worker.py")
+WORKER = Path(__file__).resolve().parents[1] / "fsdp_gather_worker.py"
 TIMEOUT_S = 90
 ALL = ("tensorwise", "rowwise", "rowwise_gw_hp", "blockwise", "mxfp8", "nvfp4")
 

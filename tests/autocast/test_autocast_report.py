@@ -8,10 +8,10 @@ from contextlib import contextmanager
 import pytest
 import torch
 import torch.nn.functional as F
+from tests.autocast_helpers import MLP
 from torch import nn
 
 import mixprec
-from autocast_helpers import MLP
 from mixprec import Rule
 from mixprec._src.autocast.native import (
     check_native_table,

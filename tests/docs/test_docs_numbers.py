@@ -12,7 +12,7 @@ three runs apart (float16 without scaling ends about 50% above the other two in 
   backoff more or less).
 
 When the demo changes, regenerate the table with `make docs-numbers`
-(``python -m tests.test_docs_numbers --write``).
+(``python -m tests.docs.test_docs_numbers --write``).
 """
 
 from __future__ import annotations
@@ -28,7 +28,7 @@ import pytest
 
 from mixprec.cli import main
 
-PAGE = Path(__file__).resolve().parent.parent / "docs" / "quickstart.md"
+PAGE = Path(__file__).resolve().parents[2] / "docs" / "quickstart.md"
 BLOCK = re.compile(r"(<!-- demo-table[^\n]*-->\n```text\n)(.*?)(```\n<!-- /demo-table -->)", re.S)
 COLUMNS = ("test loss", "R²", "grads flushed", "skipped", "final scale")
 

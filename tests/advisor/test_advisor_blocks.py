@@ -20,7 +20,7 @@ import torch
 
 import mixprec
 
-EXAMPLE = Path(__file__).resolve().parent.parent / "examples" / "advise_gpt.py"
+EXAMPLE = Path(__file__).resolve().parents[2] / "examples" / "advise_gpt.py"
 CANDIDATES = ["nvfp4", "mxfp8", "bf16"]
 
 

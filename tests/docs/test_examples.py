@@ -11,7 +11,7 @@ from pathlib import Path
 import pytest
 from tests.forked_runner import run_files
 
-EXAMPLES_DIR = Path(__file__).resolve().parent.parent / "examples"
+EXAMPLES_DIR = Path(__file__).resolve().parents[2] / "examples"
 EXAMPLES = sorted(EXAMPLES_DIR.glob("*.py"))
 STEPS = "5"  # MIXPREC_EXAMPLE_STEPS, for the examples that read it
 PER_EXAMPLE_TIMEOUT_S = 120

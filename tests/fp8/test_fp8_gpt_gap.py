@@ -9,7 +9,7 @@ from pathlib import Path
 
 import pytest
 
-SCRIPT = Path(__file__).resolve().parent.parent / "benchmarks" / "fp8_gpt_gap.py"
+SCRIPT = Path(__file__).resolve().parents[2] / "benchmarks" / "fp8_gpt_gap.py"
 
 
 def _load():

@@ -52,7 +52,7 @@ from pathlib import Path
 import pytest
 from tests.forked_runner import FENCE, no_run_reason, python_blocks, run_files
 
-ROOT = Path(__file__).resolve().parent.parent
+ROOT = Path(__file__).resolve().parents[2]
 PAGES = [ROOT / "README.md", *sorted((ROOT / "docs").glob("*.md"))]
 PRELUDE = ROOT / "tests" / "doc_prelude.py"
 PER_SNIPPET_TIMEOUT_S = 120

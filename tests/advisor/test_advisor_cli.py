@@ -70,7 +70,7 @@ def test_bad_options_are_usage_errors() -> None:
 def test_benchmark_quick_prints_every_table(capsys: pytest.CaptureFixture[str]) -> None:
     import importlib.util
 
-    path = Path(__file__).resolve().parent.parent / "benchmarks" / "bench_advisor.py"
+    path = Path(__file__).resolve().parents[2] / "benchmarks" / "bench_advisor.py"
     spec = importlib.util.spec_from_file_location("bench_advisor", path)
     assert spec is not None and spec.loader is not None
     bench = importlib.util.module_from_spec(spec)
