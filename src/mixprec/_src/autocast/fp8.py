@@ -26,7 +26,7 @@ from mixprec._src.autocast.rules import Rule
 from mixprec._src.autocast.targets import class_label
 from mixprec._src.fp8.hook import SERVES, attention_message, can_serve
 from mixprec._src.fp8.matmul import use_scaled_mm
-from mixprec._src.fp8.recipes import RECIPES
+from mixprec._src.fp8.recipes import MATMULS, get_recipe
 from mixprec.errors import ConfigError
 
 if TYPE_CHECKING:
@@ -112,10 +112,16 @@ def check_class_rule(target: type[nn.Module] | str, rule: Rule) -> None:
         )
 
 
-def matmul_path(rule: str, device: torch.device | str) -> str:
+def matmul_path(rule: str, device: torch.device | str, matmul: str | None = None) -> str:
     """Which path the matmuls of a Linear under an fp8-family ``rule`` take on ``device``:
     ``"hardware"`` (``torch._scaled_mm``, with block scales for the block recipes) or
     ``"emulated"`` (the casts' values dequantized to fp32 and an fp32 matmul, on every device).
+
+    With ``matmul`` (``"fprop"``, ``"dgrad"`` or ``"wgrad"``), the path of that matmul alone:
+    one of those two, or ``"high precision"`` for a matmul the rule runs in a 16- or 32-bit
+    dtype (``"bf16/fp8/fp8"``'s fprop, ``"fp8:rowwise_gw_hp"``'s wgrad). A rule that gives its
+    matmuls recipes of which the GPU runs some in hardware and not the others is refused here,
+    as in a forward.
 
     The answer is for shapes the kernels take (multiples of 16); a matmul of other shapes is
     emulated, and :class:`~mixprec.Fp8Stats` says what ran (``path`` per module). The rule is read
@@ -124,9 +130,13 @@ def matmul_path(rule: str, device: torch.device | str) -> str:
     Example:
         >>> matmul_path("mxfp8", "cpu")
         'emulated'
+        >>> matmul_path("bf16/mxfp8/nvfp4", "cpu", "fprop")
+        'high precision'
 
     Raises:
-        ConfigError: ``rule`` is not an fp8-family rule word, or ``device`` is not a device.
+        ConfigError: ``rule`` is not an fp8-family rule word, ``device`` is not a device,
+            ``matmul`` is not one of the three, or the GPU runs some of the rule's recipes in
+            hardware and not the others (names the matmuls and the compute capabilities).
 
     Host sync: none (a CUDA device's compute capability is read once per device).
     """
@@ -137,10 +147,16 @@ def matmul_path(rule: str, device: torch.device | str) -> str:
     if not parsed.fp8_family or parsed.recipe is None:
         raise ConfigError(
             f"matmul_path takes an fp8-family rule word (such as 'fp8:rowwise', 'mxfp8', "
-            f"'nvfp4'), got {rule!r}"
+            f"'nvfp4', 'mxfp8/mxfp8/nvfp4'), got {rule!r}"
         )
+    if matmul is not None and matmul not in MATMULS:
+        raise ConfigError(f"matmul must be None or one of {', '.join(MATMULS)}, got {matmul!r}")
     try:
         dev = torch.device(device)
     except (RuntimeError, TypeError) as err:
         raise ConfigError(f"matmul_path: {device!r} is not a device ({err})") from None
-    return "hardware" if use_scaled_mm(dev, RECIPES[parsed.recipe]) else "emulated"
+    recipe = get_recipe(parsed.recipe)
+    hardware = use_scaled_mm(dev, recipe)
+    if matmul is not None and recipe.sources[MATMULS.index(matmul)] is None:
+        return "high precision"
+    return "hardware" if hardware else "emulated"

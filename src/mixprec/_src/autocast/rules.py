@@ -15,8 +15,8 @@ from dataclasses import dataclass
 import torch
 
 from mixprec._src.autocast.native import LOW_PRECISION_DTYPES
+from mixprec._src.fp8.recipes import MATMULS, canonical, get_recipe, rule_word
 from mixprec._src.fp8.recipes import WORDS as FP8_WORDS
-from mixprec._src.fp8.recipes import canonical
 from mixprec.errors import ConfigError
 
 
@@ -54,6 +54,9 @@ KINDS: dict[str, ComputeKind] = {
         *(ComputeKind(word, ops=False, recipes=names) for word, names in FP8_WORDS.items()),
     )
 }
+
+#: A rule per matmul (``"mxfp8/mxfp8/nvfp4"``): each of a module's matmuls in its own format.
+PER_MATMUL = ComputeKind("per-matmul", ops=False)
 
 _DTYPE_WORDS: dict[str, torch.dtype] = {
     "fp16": torch.float16,
@@ -113,11 +116,45 @@ def _parse_word(text: str) -> tuple[str | torch.dtype, str | None]:
     return word, recipe.strip() or None
 
 
+@functools.lru_cache(maxsize=256)
+def _parse_matmuls(text: str) -> tuple[str, str]:
+    """``"fprop/dgrad/wgrad"``, each an fp8-family word or a dtype word -> (the rule's compute
+    text, its recipe's name); three equal recipes give that recipe's own rule."""
+    parts = text.split("/")
+    if len(parts) != len(MATMULS):
+        raise ConfigError(
+            f"a rule per matmul names {len(MATMULS)} formats, {'/'.join(MATMULS)}, e.g. "
+            f"'mxfp8/mxfp8/nvfp4'; got {text!r}"
+        )
+    names = []
+    for part, matmul in zip(parts, MATMULS, strict=True):
+        word, name = _parse_compute(part, None)
+        if isinstance(word, torch.dtype) or word == "fp32":
+            names.append(format_dtype(word) if isinstance(word, torch.dtype) else "fp32")
+        elif word in FP8_WORDS and name is not None:
+            names.append(name)
+        else:
+            raise ConfigError(
+                f"the {matmul} part {part.strip()!r} of rule {text!r} is not a format: each "
+                "matmul takes a low-precision recipe ('fp8', 'fp8:rowwise', 'mxfp8', 'nvfp4', "
+                "...) or 'bf16', 'fp16', 'fp32'"
+            )
+    recipe = get_recipe("/".join(names))
+    if not recipe.parts:
+        return rule_word(recipe.name).partition(":")[0], recipe.name
+    words = [n if n in ("bf16", "fp16", "fp32") else rule_word(n) for n in recipe.parts]
+    return "/".join(words), recipe.name
+
+
 def _parse_compute(value: object, recipe: object) -> tuple[str | torch.dtype, str | None]:
     """The compute word (or dtype) and its recipe: written, given as ``recipe=``, or the default."""
     if isinstance(value, torch.dtype) and value == torch.float32:
         value = "fp32"
     word: str | torch.dtype
+    if isinstance(value, str) and "/" in value:
+        if recipe is not None:
+            raise ConfigError(f"rule {value!r} names a format per matmul; it takes no recipe=")
+        return _parse_matmuls(value)
     if isinstance(value, torch.dtype) and value in LOW_PRECISION_DTYPES:
         word, written = value, None
     elif isinstance(value, str):
@@ -249,12 +286,59 @@ class Rule:
 
         Host sync: none.
         """
-        return isinstance(self.compute, str) and self.compute in FP8_WORDS
+        return isinstance(self.compute, str) and (self.compute in FP8_WORDS or "/" in self.compute)
 
     @property
     def kind(self) -> ComputeKind | None:
         """The :class:`ComputeKind` of the compute word (None for a dtype rule). Host sync: none."""
-        return KINDS.get(self.compute) if isinstance(self.compute, str) else None
+        if not isinstance(self.compute, str):
+            return None
+        return PER_MATMUL if "/" in self.compute else KINDS.get(self.compute)
+
+    @property
+    def matmuls(self) -> tuple[str, str, str] | None:
+        """An fp8-family rule's format per matmul (fprop, dgrad, wgrad), each a rule word;
+        None for other rules.
+
+        Example:
+            >>> Rule("mxfp8/mxfp8/nvfp4").matmuls, Rule("fp8:rowwise").matmuls
+            (('mxfp8', 'mxfp8', 'nvfp4'), ('fp8:rowwise', 'fp8:rowwise', 'fp8:rowwise'))
+
+        Host sync: none.
+        """
+        if not self.fp8_family:
+            return None
+        assert isinstance(self.compute, str)
+        if "/" in self.compute:
+            fprop, dgrad, wgrad = self.compute.split("/")
+            return fprop, dgrad, wgrad
+        word = self._compute_text()
+        return word, word, word
+
+    def with_matmuls(
+        self, fprop: str | None = None, dgrad: str | None = None, wgrad: str | None = None
+    ) -> Rule:
+        """This fp8-family rule with some matmuls in other formats (a recipe word or a dtype
+        word each; None keeps the matmul's); the output cast is kept.
+
+        Example:
+            >>> Rule("nvfp4").with_matmuls(fprop="bf16")
+            Rule('bf16/nvfp4/nvfp4')
+
+        Raises:
+            ConfigError: the rule is not of the fp8 family, or a format is unknown.
+
+        Host sync: none.
+        """
+        own = self.matmuls
+        if own is None:
+            raise ConfigError(
+                f"rule {self} is not a low-precision recipe: only fp8-family rules have matmuls "
+                "of their own formats"
+            )
+        given = (fprop, dgrad, wgrad)
+        parts = [own[i] if new is None else new for i, new in enumerate(given)]
+        return Rule("/".join(parts), output=self.output)
 
     def accepted_for(self, target: str) -> bool:
         """Whether this rule may be given to ``"modules"`` or ``"ops"``.
@@ -272,7 +356,9 @@ class Rule:
         if not isinstance(self.compute, str):
             return format_dtype(self.compute)
         kind = self.kind
-        if self.recipe is None or (kind is not None and self.recipe == kind.recipes[0]):
+        if self.recipe is None or kind is None or not kind.recipes:
+            return self.compute
+        if self.recipe == kind.recipes[0]:
             return self.compute
         return f"{self.compute}:{self.recipe}"
 

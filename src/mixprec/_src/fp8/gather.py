@@ -224,6 +224,9 @@ class LowPrecisionGather:
     def __init__(self, model: nn.Module, recompute: bool) -> None:
         self.model, self.recompute = model, recompute
         self.weights: list[_Weight] = []
+        #: Ruled Linears gathered in the parameter dtype: their recipe reads the weight in
+        #: high precision in fprop or dgrad (a rule per matmul such as ``"bf16/fp8/fp8"``).
+        self.high_precision: list[str] = []
         self.collectives = self.scale_bytes = self.gathers = self.gather_bytes = 0
 
     @property
@@ -354,8 +357,13 @@ def gather_low_precision(
     handle = LowPrecisionGather(model, recompute)
     torch_compat.fsdp_lazy_init(model)
     ruled = {id(m): (name, get_recipe(r)) for name, m, r in _ruled_linears(model, policy)}
+    high = [ruled.pop(key)[0] for key, (_, r) in list(ruled.items()) if not _weight_low(r)]
+    handle.high_precision = sorted(high)
     if not ruled:
-        raise ConfigError(f"no Linear of the model is ruled by a low-precision recipe in {policy}")
+        why = f" (those ruled read their weight in high precision: {high[:5]})" if high else ""
+        raise ConfigError(
+            f"no Linear of the model is ruled by a low-precision recipe in {policy}{why}"
+        )
     for module in model.modules():
         group = torch_compat.fsdp_param_group(module) if isinstance(module, FSDPModule) else None
         for fsdp_param in group.fsdp_params if group is not None else ():
@@ -369,6 +377,13 @@ def gather_low_precision(
         raise ConfigError(f"ruled Linears not sharded by fully_shard: {names}; shard them first")
     _attach(handle)
     return handle
+
+
+def _weight_low(recipe: Recipe) -> bool:
+    """Whether both matmuls that read the weight (fprop, dgrad) cast it: a recipe put together
+    per matmul with either in high precision needs the weight in the parameter dtype, which is
+    what FSDP gathers without this."""
+    return recipe.w is not None and recipe.w_gi is not None
 
 
 def _check(name: str, fsdp_param: Any, recipe: Recipe) -> None:

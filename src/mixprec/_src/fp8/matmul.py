@@ -30,7 +30,7 @@ from mixprec._src.fp8 import kernels
 from mixprec._src.fp8.carrier import gathered
 from mixprec._src.fp8.casts import Quantized, cast_stats, dequantize, quantize
 from mixprec._src.fp8.kernels import Side
-from mixprec._src.fp8.recipes import Cast, Recipe
+from mixprec._src.fp8.recipes import MATMULS, Cast, Recipe
 from mixprec._src.fp8.stats import Slot
 from mixprec.errors import ConfigError
 
@@ -59,13 +59,41 @@ def use_scaled_mm(device: torch.device, recipe: Recipe | None = None) -> bool:
 
     Host sync: none.
     """
+    if recipe is not None and recipe.parts:
+        return _parts_path(device, recipe)
     row = caps(device)
     if not row.fp8_scaled_mm or (recipe is not None and recipe.blocked and not row.block_scaled_mm):
         return False
     cap = _capability(device)
     low, high = recipe.capability if recipe is not None else ((8, 9), (99, 0))
-
     return cap is not None and low <= cap < high
+
+
+def _parts_path(device: torch.device, recipe: Recipe) -> bool:
+    """A recipe put together per matmul: the hardware path if every low-precision matmul's
+    recipe has it on ``device``, emulated if none has; a mix is refused (half the matmuls
+    emulated would cost more than the whole recipe saves)."""
+    paths = {
+        matmul: use_scaled_mm(device, source)
+        for matmul, source in zip(MATMULS, recipe.sources, strict=True)
+        if source is not None
+    }
+    if len(set(paths.values())) == 1:
+        return next(iter(paths.values()))
+    cap = _capability(device)
+    on = [f"{m} ({recipe.parts[MATMULS.index(m)]})" for m in MATMULS if paths.get(m)]
+    off = [
+        f"{m} ({s.name}: compute capability {'.'.join(map(str, s.capability[0]))} to below "
+        f"{'.'.join(map(str, s.capability[1]))})"
+        for m, s in zip(MATMULS, recipe.sources, strict=True)
+        if s is not None and not paths[m]
+    ]
+    raise ConfigError(
+        f"recipe {recipe.name!r} cannot run on {device} (compute capability "
+        f"{'.'.join(map(str, cap or ()))}): {', '.join(on)} would run in hardware but "
+        f"{', '.join(off)} has no kernel here and would be emulated, thousands of times slower. "
+        "Give those matmuls a recipe this GPU runs, or a high-precision dtype ('bf16')."
+    )
 
 
 @dataclass(frozen=True)
@@ -123,13 +151,24 @@ def _mm(plan: Plan, a: Side, b: Side, fast_accum: bool = False, count: bool = Tr
     return kernels.tensor_row_mm(a, b, plan.hp, fast_accum)
 
 
-def _hp_mm(plan: Plan, a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
-    """A high-precision matmul: native where fp8 is native; emulated, in fp32 then rounded (the
-    values of a low-precision matmul with fp32 accumulation; whether that is faster than a bf16
-    matmul depends on the CPU's bf16 instructions: docs/performance.md)."""
+def _hp_mm(
+    plan: Plan, a: torch.Tensor, b: torch.Tensor, dtype: torch.dtype | None = None
+) -> torch.Tensor:
+    """A high-precision matmul on the operands rounded to ``dtype`` (None: the region's, in
+    which the activations arrive), the result in the region's dtype: native where fp8 is
+    native; emulated, in fp32 then rounded (the values of a 16-bit matmul with fp32
+    accumulation; whether that is faster than a bf16 matmul depends on the CPU's bf16
+    instructions: docs/performance.md)."""
+    a, b = a.to(dtype or plan.hp), b.to(dtype or plan.hp)
     if plan.scaled_mm:
-        return a.mm(b)
+        return a.mm(b).to(plan.hp)
     return a.float().mm(b.float()).to(plan.hp)
+
+
+def _shared(first: Cast | None, second: Cast | None) -> bool:
+    """Whether an operand's cast for its first matmul serves its second too (the same square
+    cast, so the same codes): cast once, saved for backward."""
+    return first is not None and first == second and first.square
 
 
 def _pad_rows(t: torch.Tensor, multiple: int) -> torch.Tensor:
@@ -157,15 +196,18 @@ class Fp8Linear(torch.autograd.Function):
     @staticmethod
     def forward(ctx: Any, x2d: torch.Tensor, weight: torch.Tensor, plan: Plan) -> torch.Tensor:
         r = plan.recipe
-        assert r.x is not None and r.w is not None  # every recipe runs the output cast
         # A forward run inside backward is a checkpoint recomputation: its casts were recorded.
         record = plan.slot is not None and not torch_compat.running_backward()
-        qx = _cast(plan, x2d, r.x, 1, _INPUT, True, record)
-        qw = gathered(weight, 1) or _cast(plan, weight, r.w, 1, _WEIGHT, True, record)
-        out = _mm(plan, Side(qx, r.x), Side(qw, r.w, True), fast_accum=True, count=record)
+        qx = qw = None
+        if r.x is None or r.w is None:  # the output matmul in high precision
+            out = _hp_mm(plan, x2d, weight.t(), r.high[0])
+        else:
+            qx = _cast(plan, x2d, r.x, 1, _INPUT, True, record)
+            qw = gathered(weight, 1) or _cast(plan, weight, r.w, 1, _WEIGHT, True, record)
+            out = _mm(plan, Side(qx, r.x), Side(qw, r.w, True), fast_accum=True, count=record)
         need_x, need_w = ctx.needs_input_grad[0], ctx.needs_input_grad[1]
-        keep_x = _save(qx if r.x == r.x_gw and r.x.square else None, x2d)
-        keep_w = _save(qw if r.w == r.w_gi and r.w.square else None, weight)
+        keep_x = _save(qx if _shared(r.x, r.x_gw) else None, x2d)
+        keep_w = _save(qw if _shared(r.w, r.w_gi) else None, weight)
         ctx.x_meta, ctx.w_meta = keep_x[3], keep_w[3]
         ctx.save_for_backward(
             *(keep_x[:3] if need_w else (None,) * 3),
@@ -205,21 +247,24 @@ def _backward(
     dx = dw = None
     qdy = None
     if needs[0]:
-        assert r.dy_gi is not None and r.w_gi is not None
-        qdy = _cast(plan, dy, r.dy_gi, 1, _GRAD_OUTPUT, True, True)
         w_hp, qw = w
-        if qw is None:
+        if r.dy_gi is None or r.w_gi is None:  # grad_input in high precision
             assert w_hp is not None
-            qw = gathered(w_hp, 0) or _cast(plan, w_hp, r.w_gi, 0, _WEIGHT, False, True)
-        dx = _mm(plan, Side(qdy, r.dy_gi), Side(qw, r.w_gi))
+            dx = _hp_mm(plan, dy, w_hp, r.high[1])
+        else:
+            qdy = _cast(plan, dy, r.dy_gi, 1, _GRAD_OUTPUT, True, True)
+            if qw is None:
+                assert w_hp is not None
+                qw = gathered(w_hp, 0) or _cast(plan, w_hp, r.w_gi, 0, _WEIGHT, False, True)
+            dx = _mm(plan, Side(qdy, r.dy_gi), Side(qw, r.w_gi))
     if needs[1]:
         x_hp, qx = x
         if r.dy_gw is None or r.x_gw is None:  # grad_weight in high precision
             assert x_hp is not None
-            dw = _hp_mm(plan, dy.t(), x_hp.to(plan.hp))
+            dw = _hp_mm(plan, dy.t(), x_hp.to(plan.hp), r.high[2])
         else:
             rows = r.multiples()[0]  # the tokens, zero-padded to the blocks along them
-            if qdy is None or not (r.dy_gw == r.dy_gi and r.dy_gi.square):
+            if qdy is None or not _shared(r.dy_gi, r.dy_gw):
                 padded = _pad_rows(dy, rows)
                 qdy = _cast(plan, padded, r.dy_gw, 0, _GRAD_OUTPUT, qdy is None, True, dy.numel())
             if qx is None:

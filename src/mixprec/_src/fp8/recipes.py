@@ -21,6 +21,12 @@ the high-precision dtype.
 A recipe is data (:data:`RECIPES`); the rule words that name them are :data:`WORDS`
 (``"fp8"``, ``"fp8:rowwise"``, ``"mxfp8"``, ``"nvfp4"``...). One mechanism (``matmul.py``) runs
 every recipe.
+
+A recipe can also be put together per matmul (:func:`compose`): each of the three matmuls takes
+its casts from a recipe of the registry or runs in a high-precision dtype (:data:`HIGH`); its
+name lists the parts in matmul order, ``"mxfp8/mxfp8/nvfp4"`` or ``"bf16/tensorwise/tensorwise"``
+(:data:`MATMULS`: the output, the input gradient and the weight gradient, which
+TransformerEngine calls fprop, dgrad and wgrad).
 """
 
 from __future__ import annotations
@@ -111,6 +117,11 @@ class Recipe:
         dy_gw: grad_output for grad_weight.      x_gw: input for grad_weight.
         capability: the CUDA compute capabilities its hardware matmuls run on:
             ``(lowest, above the highest)``.
+        high: per matmul (:data:`MATMULS` order), the dtype the operands of a matmul whose
+            casts are ``None`` are rounded to before an fp32-accumulated matmul; None: the
+            region's dtype, as they arrive.
+        parts: a recipe put together per matmul (:func:`compose`): per matmul, the recipe its
+            casts come from or the :data:`HIGH` word it runs in; empty for the registry's.
 
     Example:
         >>> get_recipe("rowwise").x.short
@@ -127,13 +138,35 @@ class Recipe:
     dy_gw: Cast | None
     x_gw: Cast | None
     capability: tuple[tuple[int, int], tuple[int, int]] = ((8, 9), (99, 0))
+    high: tuple[torch.dtype | None, torch.dtype | None, torch.dtype | None] = (None, None, None)
+    parts: tuple[str, ...] = ()
 
     def __post_init__(self) -> None:
-        for a, b in ((self.x, self.w), (self.dy_gi, self.w_gi), (self.dy_gw, self.x_gw)):
+        for a, b in self.pairs:
             assert (a is None) == (b is None), "both operands of a matmul cast, or neither"
-        assert self.x is not None, "every recipe runs the output matmul in low precision"
+        assert any(a is not None for a, _ in self.pairs), "some matmul runs in low precision"
         for act in (self.x, self.dy_gi):  # tokens are never blocked across: any batch works
             assert act is None or act.block[0] in (0, 1), self
+
+    @property
+    def pairs(self) -> tuple[tuple[Cast | None, Cast | None], ...]:
+        """The casts of each matmul's operands, in :data:`MATMULS` order. Host sync: none."""
+        return ((self.x, self.w), (self.dy_gi, self.w_gi), (self.dy_gw, self.x_gw))
+
+    @property
+    def sources(self) -> tuple[Recipe | None, Recipe | None, Recipe | None]:
+        """Per matmul, the registry recipe whose casts it runs (None: high precision).
+
+        Example:
+            >>> [None if r is None else r.name for r in get_recipe("bf16/mxfp8/nvfp4").sources]
+            [None, 'mxfp8', 'nvfp4']
+
+        Host sync: none.
+        """
+        names = self.parts or (self.name,) * 3
+        pairs = zip(names, self.pairs, strict=True)
+        found = [RECIPES.get(n) if a is not None else None for n, (a, _) in pairs]
+        return found[0], found[1], found[2]
 
     @property
     def blocked(self) -> bool:
@@ -216,6 +249,13 @@ WORDS: dict[str, tuple[str, ...]] = {
 DEFAULT = "tensorwise"
 ALIASES = {"rowwise_with_gw_hp": "rowwise_gw_hp"}  # torchao's spelling
 
+#: The three matmuls of a Linear in the order they run: the output, the input gradient, the
+#: weight gradient (TransformerEngine's fprop, dgrad, wgrad).
+MATMULS = ("fprop", "dgrad", "wgrad")
+#: The high-precision formats one matmul of a recipe put together per matmul may run in: its
+#: operands rounded to the dtype, an fp32-accumulated matmul, the result in the region's dtype.
+HIGH = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
+
 
 def canonical(recipe: str) -> str:
     """A recipe name as the registry spells it (torchao's ``rowwise_with_gw_hp`` too).
@@ -248,21 +288,81 @@ def rule_word(recipe: str) -> str:
 
 
 def get_recipe(name: str) -> Recipe:
-    """The recipe called ``name`` (``""`` is the default, tensorwise).
+    """The recipe called ``name`` (``""`` is the default, tensorwise): a registry recipe, or
+    one put together per matmul, its parts separated by ``/`` (:func:`compose`).
 
     Example:
         >>> get_recipe("").name
         'tensorwise'
+        >>> get_recipe("mxfp8/mxfp8/nvfp4").parts
+        ('mxfp8', 'mxfp8', 'nvfp4')
 
     Raises:
         ConfigError: an unknown name; the message lists the recipes.
 
     Host sync: none.
     """
+    if "/" in name:
+        # Composed once, then looked up: a dict read is what Dynamo traces in a compiled forward.
+        found = _COMPOSED.get(name)
+        return compose(tuple(name.split("/"))) if found is None else found
     found = RECIPES.get(canonical(name) or DEFAULT)
     if found is None:
         raise ConfigError(f"unknown fp8 recipe {name!r}; accepted: {_accepted()}")
     return found
+
+
+_COMPOSED: dict[str, Recipe] = {}  # every recipe composed, by the names it was asked for
+
+
+def compose(parts: tuple[str, ...]) -> Recipe:
+    """The recipe whose matmuls (:data:`MATMULS` order) take their casts from the registry's
+    recipes named in ``parts``, or run in a :data:`HIGH` dtype: ``("mxfp8", "mxfp8", "nvfp4")``.
+    Three equal recipe names give that recipe. Its hardware matmuls run where every part's do.
+
+    Example:
+        >>> r = compose(("bf16", "tensorwise", "tensorwise"))
+        >>> r.name, r.x is None, r.high[0], r.dy_gi.short
+        ('bf16/tensorwise/tensorwise', True, torch.bfloat16, 'e5m2/tensor/amax')
+
+    Raises:
+        ConfigError: not three parts, an unknown part, or no matmul in low precision.
+
+    Host sync: none.
+    """
+    names = tuple(canonical(p) for p in parts)
+    if len(names) != len(MATMULS):
+        raise ConfigError(
+            f"a recipe per matmul names {len(MATMULS)} parts ({'/'.join(MATMULS)}), got "
+            f"{'/'.join(parts)!r}"
+        )
+    for part in names:
+        if part not in HIGH and part not in RECIPES:
+            raise ConfigError(
+                f"unknown part {part!r} in {'/'.join(parts)!r}: each matmul takes a recipe "
+                f"({', '.join(RECIPES)}) or a high-precision dtype ({', '.join(HIGH)})"
+            )
+    if len(set(names)) == 1 and names[0] in RECIPES:
+        return RECIPES[names[0]]
+    casts: list[Cast | None] = []
+    high: list[torch.dtype | None] = []
+    for i, part in enumerate(names):
+        source = RECIPES.get(part)
+        pair = source.pairs[i] if source is not None else (None, None)
+        casts += pair
+        high.append(HIGH[part] if source is None else source.high[i])
+    if all(c is None for c in casts):
+        raise ConfigError(
+            f"{'/'.join(names)!r} runs no matmul in low precision: write the dtype as a rule of "
+            "its own ('bf16'), or give some matmul a recipe"
+        )
+    lows = [s.capability for s in (RECIPES.get(n) for n in names) if s is not None]
+    capability = (max(c[0] for c in lows), min(c[1] for c in lows))
+    x, w, dy_gi, w_gi, dy_gw, x_gw = casts
+    dtypes = (high[0], high[1], high[2])
+    recipe = Recipe("/".join(names), x, w, dy_gi, w_gi, dy_gw, x_gw, capability, dtypes, names)
+    _COMPOSED["/".join(parts)] = _COMPOSED[recipe.name] = recipe
+    return recipe
 
 
 def _accepted() -> str:
