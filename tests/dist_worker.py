@@ -9,9 +9,11 @@ references.
 from __future__ import annotations
 
 import math
+import os
 import pickle
 import sys
 import time
+import traceback
 import warnings
 from collections.abc import Callable
 from pathlib import Path
@@ -367,25 +369,48 @@ def rendezvous(rank: int, world: int, port_file: Path) -> dist.Store:
     return dist.TCPStore("127.0.0.1", port, world, is_master=False, timeout=timeout)
 
 
-def main(argv: list[str]) -> None:
-    global OUTDIR
+def run_rank(
+    argv: list[str], body: Callable[[int, int, Path, list[str]], None], timeout_s: float = 30
+) -> None:
+    """One rank's whole life: ``argv`` is ``RANK WORLD PORT_FILE OUTDIR [ARGS...]``; join the
+    gloo world, run ``body(rank, world, outdir, args)``, meet the other ranks, tear the group
+    down, and leave with ``os._exit``: the interpreter's own teardown would destroy gloo's
+    threads in an unspecified order, which now and then aborts a rank that finished its work
+    ("terminate called without an active exception"). An exception prints its traceback and
+    exits with 1."""
     from datetime import timedelta
 
     rank, world = int(argv[0]), int(argv[1])
-    port_file, OUTDIR = Path(argv[2]), Path(argv[3])
+    port_file, outdir = Path(argv[2]), Path(argv[3])
     torch.set_num_threads(1)
     warnings.simplefilter("ignore", UserWarning)  # FSDP's and DTensor's notes about CPU use
-    store = rendezvous(rank, world, port_file)
-    dist.init_process_group(
-        "gloo", store=store, rank=rank, world_size=world, timeout=timedelta(seconds=30)
-    )
+    code = 1
     try:
-        for name in argv[4:]:
-            torch.save(SCENARIOS[name](rank), OUTDIR / f"{name}-{rank}.pt")
+        store = rendezvous(rank, world, port_file)
+        dist.init_process_group(
+            "gloo", store=store, rank=rank, world_size=world, timeout=timedelta(seconds=timeout_s)
+        )
+        try:
+            body(rank, world, outdir, argv[4:])
             dist.barrier()
+        finally:
+            dist.destroy_process_group()
+        code = 0
+    except BaseException:
+        traceback.print_exc()
     finally:
-        dist.destroy_process_group()
+        sys.stdout.flush()
+        sys.stderr.flush()
+        os._exit(code)
+
+
+def _scenarios(rank: int, world: int, outdir: Path, names: list[str]) -> None:
+    global OUTDIR
+    OUTDIR = outdir
+    for name in names:
+        torch.save(SCENARIOS[name](rank), OUTDIR / f"{name}-{rank}.pt")
+        dist.barrier()
 
 
 if __name__ == "__main__":
-    main(sys.argv[1:])
+    run_rank(sys.argv[1:], _scenarios)

@@ -7,50 +7,35 @@ Usage: ``python fp8_ddp_worker.py RANK WORLD_SIZE PORT_FILE OUTDIR``; writes
 from __future__ import annotations
 
 import sys
-import warnings
-from datetime import timedelta
 from pathlib import Path
 
 import torch
-import torch.distributed as dist
 from torch import nn
 from torch.nn.parallel import DistributedDataParallel as DDP
 
 import mixprec
-from dist_worker import rendezvous
+from dist_worker import run_rank
 
 
-def main(argv: list[str]) -> None:
-    rank, world = int(argv[0]), int(argv[1])
-    port_file, outdir = Path(argv[2]), Path(argv[3])
-    torch.set_num_threads(1)
-    warnings.simplefilter("ignore", UserWarning)
-    store = rendezvous(rank, world, port_file)
-    dist.init_process_group(
-        "gloo", store=store, rank=rank, world_size=world, timeout=timedelta(seconds=30)
-    )
-    try:
-        torch.manual_seed(0)
-        model = DDP(nn.Sequential(nn.Linear(16, 32), nn.GELU(), nn.Linear(32, 16)))
-        opt = torch.optim.SGD(model.parameters(), lr=0.1)
-        policy = mixprec.Policy("nn.Linear=fp8:rowwise")
-        gen = torch.Generator().manual_seed(rank)  # each rank its own batches
-        losses = []
-        for _ in range(3):
-            x, y = torch.randn(8, 16, generator=gen), torch.randn(8, 16, generator=gen)
-            with mixprec.autocast("cpu", torch.bfloat16, policy=policy):
-                out = model(x)
-            loss = (out.float() - y).square().mean()
-            loss.backward()
-            opt.step()
-            opt.zero_grad()
-            losses.append(loss.item())
-        params = {k: v.detach().clone() for k, v in model.module.state_dict().items()}
-        torch.save({"params": params, "losses": losses}, outdir / f"fp8-{rank}.pt")
-        dist.barrier()
-    finally:
-        dist.destroy_process_group()
+def train(rank: int, world: int, outdir: Path, args: list[str]) -> None:
+    torch.manual_seed(0)
+    model = DDP(nn.Sequential(nn.Linear(16, 32), nn.GELU(), nn.Linear(32, 16)))
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    policy = mixprec.Policy("nn.Linear=fp8:rowwise")
+    gen = torch.Generator().manual_seed(rank)  # each rank its own batches
+    losses = []
+    for _ in range(3):
+        x, y = torch.randn(8, 16, generator=gen), torch.randn(8, 16, generator=gen)
+        with mixprec.autocast("cpu", torch.bfloat16, policy=policy):
+            out = model(x)
+        loss = (out.float() - y).square().mean()
+        loss.backward()
+        opt.step()
+        opt.zero_grad()
+        losses.append(loss.item())
+    params = {k: v.detach().clone() for k, v in model.module.state_dict().items()}
+    torch.save({"params": params, "losses": losses}, outdir / f"fp8-{rank}.pt")
 
 
 if __name__ == "__main__":
-    main(sys.argv[1:])
+    run_rank(sys.argv[1:], train)

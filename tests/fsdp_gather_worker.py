@@ -8,9 +8,7 @@ Each scenario writes ``OUTDIR/<scenario>-<rank>.pt``; the test does all the asse
 from __future__ import annotations
 
 import sys
-import warnings
 from collections.abc import Callable
-from datetime import timedelta
 from pathlib import Path
 from typing import Any
 
@@ -19,7 +17,7 @@ import torch.distributed as dist
 from torch import nn
 
 import mixprec
-from dist_worker import rendezvous
+from dist_worker import run_rank
 from mixprec.distributed import gather_low_precision
 
 RECIPES = ("tensorwise", "rowwise", "rowwise_gw_hp", "blockwise", "mxfp8", "nvfp4")
@@ -245,23 +243,13 @@ SCENARIOS: dict[str, Callable[[int], Any]] = {
 }
 
 
-def main(argv: list[str]) -> None:
+def _scenarios(rank: int, world: int, outdir: Path, names: list[str]) -> None:
     global OUTDIR
-    rank, world = int(argv[0]), int(argv[1])
-    port_file, OUTDIR = Path(argv[2]), Path(argv[3])
-    torch.set_num_threads(1)
-    warnings.simplefilter("ignore", UserWarning)
-    store = rendezvous(rank, world, port_file)
-    dist.init_process_group(
-        "gloo", store=store, rank=rank, world_size=world, timeout=timedelta(seconds=60)
-    )
-    try:
-        for name in argv[4:]:
-            torch.save(SCENARIOS[name](rank), OUTDIR / f"{name}-{rank}.pt")
-            dist.barrier()
-    finally:
-        dist.destroy_process_group()
+    OUTDIR = outdir
+    for name in names:
+        torch.save(SCENARIOS[name](rank), OUTDIR / f"{name}-{rank}.pt")
+        dist.barrier()
 
 
 if __name__ == "__main__":
-    main(sys.argv[1:])
+    run_rank(sys.argv[1:], _scenarios, timeout_s=60)

@@ -10,14 +10,12 @@ from __future__ import annotations
 
 import sys
 import warnings
-from datetime import timedelta
 from pathlib import Path
 from typing import Any
 
 import torch
-import torch.distributed as dist
 
-from dist_worker import rendezvous
+from dist_worker import run_rank
 
 POLICY = "nn.Linear=fp8:rowwise, lm_head=bf16"
 STEPS = 2
@@ -83,22 +81,11 @@ def train(gather: bool, rank: int) -> dict[str, Any]:
     }
 
 
-def main(argv: list[str]) -> None:
-    rank, world = int(argv[0]), int(argv[1])
-    port_file, outdir = Path(argv[2]), Path(argv[3])
-    torch.set_num_threads(1)
+def _both(rank: int, world: int, outdir: Path, args: list[str]) -> None:
     warnings.simplefilter("ignore")
-    store = rendezvous(rank, world, port_file)
-    dist.init_process_group(
-        "gloo", store=store, rank=rank, world_size=world, timeout=timedelta(seconds=60)
-    )
-    try:
-        result = {"plain": train(False, rank), "low": train(True, rank)}
-        torch.save(result, outdir / f"titan-{rank}.pt")
-        dist.barrier()
-    finally:
-        dist.destroy_process_group()
+    result = {"plain": train(False, rank), "low": train(True, rank)}
+    torch.save(result, outdir / f"titan-{rank}.pt")
 
 
 if __name__ == "__main__":
-    main(sys.argv[1:])
+    run_rank(sys.argv[1:], _both, timeout_s=60)
