@@ -43,7 +43,9 @@ def task() -> tuple[torch.nn.Module, Any, Any]:
 
 def _advise(task: Any, **kwargs: Any) -> mixprec.types.Advice:
     model, batch, loss_fn = task
-    return mixprec.advise(model, batch, loss_fn, candidates=CANDIDATES, check=True, **kwargs)
+    return mixprec.advise(
+        model, batch, loss_fn, candidates=CANDIDATES, check=True, per_matmul=False, **kwargs
+    )
 
 
 @pytest.fixture(scope="module")

@@ -281,7 +281,8 @@ def test_the_table_says_what_each_column_and_dash_means() -> None:
     assert "nvfp4 casts" in text and "mxfp8 casts" in text and "bf16 casts" not in text
     assert "'-': the GPU has no kernel for that recipe" in " ".join(text.split())
     assert ">= 19.4 dB" in text and "19.3721" not in text
-    rows = [line for line in text.splitlines() if line.startswith(("0 ", "2 "))]
+    main = text.split("per matmul: the whole-model")[0]  # the table per matmul has no µs
+    rows = [line for line in main.splitlines() if line.startswith(("0 ", "2 "))]
     assert rows and all(" - " in line for line in rows)  # nvfp4 and mxfp8: no kernel on H100
 
 

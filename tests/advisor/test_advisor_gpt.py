@@ -1,7 +1,8 @@
 """The fp8 target on the GPT-like model of examples/advise_gpt.py (2 blocks, width 256, 9 Linear
 layers, random init, a generated batch): at least 30 dB whole-model gradient SQNR with at most 2
-modules kept in bf16, and the applied policy measures within 0.5 dB of the prediction. One run
-(the model costs a few seconds per advice); timing lives in benchmarks/bench_advisor.py."""
+modules kept in bf16 (each Linear measured whole), and the applied policy measures within 0.5 dB of
+the prediction; measured per matmul, the same target with no module kept whole. Timing lives in
+benchmarks/bench_advisor.py."""
 
 from __future__ import annotations
 
@@ -31,8 +32,27 @@ def advice() -> mixprec.types.Advice:
     linears = [n for n, m in model.named_modules() if isinstance(m, torch.nn.Linear)]
     assert len(linears) == 9 and model.blocks[0].mlp.fc.in_features == 256
     return mixprec.advise(
-        model, batch, loss_fn, candidates=["fp8"], min_sqnr=30.0, keep_at_most=2, check=True
+        model,
+        batch,
+        loss_fn,
+        candidates=["fp8"],
+        min_sqnr=30.0,
+        keep_at_most=2,
+        check=True,
+        per_matmul=False,
     )
+
+
+def test_per_matmul_meets_it_keeping_no_module_whole() -> None:
+    """Measured per matmul, the same target is met with every Linear's fprop and dgrad in fp8:
+    the modules' error is mostly their wgrad's, which goes to bf16 where the target needs it."""
+    model, batch, loss_fn = _load_example().make_gpt()
+    advice = mixprec.advise(model, batch, loss_fn, candidates=["fp8"], min_sqnr=30.0, check=True)
+    assert advice.met and not advice.kept and advice.per_matmul
+    mixed = [m for m in advice.modules if "/" in m.choice]
+    assert mixed and all(mixprec.Rule(m.choice).matmuls[:2] == ("fp8", "fp8") for m in mixed)
+    assert advice.measured_sqnr is not None
+    assert abs(advice.measured_sqnr - advice.predicted_sqnr) <= 0.5
 
 
 def test_meets_30_db_with_at_most_two_kept(advice: mixprec.types.Advice) -> None:

@@ -190,7 +190,8 @@ def test_recipes_read_from_the_registry() -> None:
     assert tensorwise.x.block is None and tensorwise.dy_gi.kind == "fp8"
     assert gw_hp.x_gw == BF16 and gw_hp.dy_gw == BF16  # grad_weight in high precision
     assert gw_hp.w_gi.block is None  # the weight tensorwise for grad_input
-    assert recipe_operands("no-such-recipe") is None
+    with pytest.raises(ConfigError, match="no-such-recipe"):
+        recipe_operands("no-such-recipe")
 
 
 def test_what_each_gpu_can_run() -> None:

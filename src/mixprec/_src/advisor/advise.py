@@ -23,13 +23,14 @@ from mixprec._src.advisor.arguments import (
     check_args,
     check_float32,
     check_loss_signature,
+    check_speedup,
     choose_modules,
     device_of,
     high_word,
     parse_candidates,
     region_dtype,
 )
-from mixprec._src.advisor.choose.options import module_choice
+from mixprec._src.advisor.choose.options import PerMatmul, mix_measurement, module_choice
 from mixprec._src.advisor.choose.policy import build_policy
 from mixprec._src.advisor.choose.search import Proposal, Target, search
 from mixprec._src.advisor.measure.guard import Guard
@@ -41,6 +42,7 @@ from mixprec._src.advisor.measure.passes import (
     Subject,
     isolated,
     measure_alone,
+    passes_per,
     propose_scale,
     uses_fp16,
     with_policy,
@@ -64,6 +66,7 @@ from mixprec._src.advisor.speed.model import (
     gemm_shapes,
     predict,
     step_time,
+    time_budget,
 )
 from mixprec._src.advisor.speed.operands import operands
 from mixprec._src.autocast.policy import Policy
@@ -87,6 +90,8 @@ def advise(
     progress: Progress | None = None,
     gpu: str | None = None,
     objective: str = "fewest_kept",
+    per_matmul: bool = True,
+    min_speedup: float | None = None,
 ) -> Advice:
     """Measure each module's error in each candidate precision and propose a :class:`Policy`.
 
@@ -126,10 +131,19 @@ def advise(
             kernel for is measured (emulated) but never chosen.
         objective: what the search minimises once ``min_sqnr`` is met: ``"fewest_kept"``
             (default: the fewest modules kept, the cheapest candidates) or ``"speed"`` (the
-            fastest policy on ``gpu``; needs a ``gpu``). ``"speed"`` without ``min_sqnr`` and
-            ``keep_at_most`` needs no per-module figure: the policy the speed model predicts
-            fastest from the reference pass's shapes is measured once (two passes in all; each
-            module is measured alone only if that policy gives inf/NaN).
+            fastest policy on ``gpu``; needs a ``gpu``); or ``"sqnr"``: the most precise
+            policy predicted at least ``min_speedup`` times faster than bf16 on ``gpu``.
+            ``"speed"`` without ``min_sqnr`` and ``keep_at_most`` needs no per-module figure:
+            the policy the speed model predicts fastest from the reference pass's shapes is
+            measured once (two passes in all; each module is measured alone only if that
+            policy gives inf/NaN).
+        per_matmul: measure each recipe candidate one matmul at a time (two passes per module
+            and recipe instead of one: fprop alone, then dgrad and wgrad) and let the search
+            give a module's three matmuls each its own format: a recipe or the region's dtype
+            (``"nvfp4/nvfp4/bf16"``). ``False``: one pass per module and recipe, and a module's
+            matmuls share its choice.
+        min_speedup: with ``objective="sqnr"``: the least predicted speedup of the step's
+            matmuls against bf16 on ``gpu`` (``Advice.step.speedup``), e.g. ``1.5``.
 
     Returns:
         An :class:`~mixprec.types.Advice`: the policy, the region dtype, a suggested
@@ -157,16 +171,19 @@ def advise(
     Host sync: many (every pass reads its figures back to the host).
     """
     check_args(model, loss_fn, (min_sqnr, keep_at_most), (check, more_batches, progress), objective)
+    if not isinstance(per_matmul, bool):
+        raise ConfigError(f"per_matmul must be True or False, got {per_matmul!r}")
     spec = None if gpu is None else get_gpu(gpu)
-    if objective == "speed" and spec is None:
-        raise ConfigError('objective="speed" needs a GPU to predict for, e.g. gpu="h100"')
+    if objective in ("speed", "sqnr") and spec is None:
+        raise ConfigError(f"objective={objective!r} needs a GPU to predict for, e.g. gpu='h100'")
+    check_speedup(min_speedup, objective)
     check_float32(model)
     check_loss_signature(loss_fn, model, batch)
     device = device_of(model)
     cands = parse_candidates(candidates, device.type)
     chosen = choose_modules(model, modules, cands)
     job = Job(model, [batch, *more_batches], loss_fn, device, cands, region_dtype(cands), progress)
-    goal = Goal(Target(min_sqnr, keep_at_most, objective), spec, check)
+    goal = Goal(Target(min_sqnr, keep_at_most, objective), spec, check, per_matmul, min_speedup)
     with Guard(model, device) as guard:
         engine = Engine(job, guard, planned=_planned(chosen, goal))
         return _advise(engine, _subjects(chosen, guard.params), goal)
@@ -179,6 +196,8 @@ class Goal:
     target: Target
     gpu: GPU | None
     check: bool
+    per_matmul: bool = False
+    min_speedup: float | None = None
 
 
 @dataclass
@@ -219,7 +238,11 @@ def _planned(chosen: list[Chosen], goal: Goal) -> int:
     the fastest policy without a target, the reference and that policy."""
     if _once(goal):
         return 2
-    return 1 + sum(len(c.serving) for c in chosen) + 2 + int(goal.check)
+    return 1 + _alone_passes([c.serving for c in chosen], goal) + 2 + int(goal.check)
+
+
+def _alone_passes(serving: list[tuple[Candidate, ...]], goal: Goal) -> int:
+    return sum(passes_per(c, goal.per_matmul) for cands in serving for c in cands)
 
 
 def _advise(engine: Engine, subjects: list[Subject], goal: Goal) -> Advice:
@@ -233,13 +256,13 @@ def _advise(engine: Engine, subjects: list[Subject], goal: Goal) -> Advice:
         once = _fastest_once(engine, ran, goal, flops)
         if once is not None:
             return once
-    ranges, alone = measure_alone(engine, served)
+    ranges, alone = measure_alone(engine, served, goal.per_matmul)
     found = _timed(Found(ranges, alone, {}, flops=flops), ran, job, goal.gpu)
     touched = [s for s in served if found.gemms[s.name] is not None or not _exact(alone[s.name])]
     names = [s.name for s in touched]
     region_sqnr, cheap = _region_and_cheapest(engine, found, names)
     proposal = _choose(engine, touched, found, region_sqnr, goal)
-    rows = [_row(job, s, found, proposal) for s in ran]
+    rows = [_row(job, s, found, proposal, goal) for s in ran]
     picked = {c.name: c.current.word for c in proposal.choices}
     policy = build_policy(job.model, picked, format_dtype(job.region), names)
     measured = _check_pass(engine, goal, policy, cheap)
@@ -280,6 +303,8 @@ def _advice(
         gpu=None if goal.gpu is None else goal.gpu.word,
         objective=goal.target.objective,
         step=_step(goal.gpu, found, rows),
+        per_matmul=goal.per_matmul,
+        min_speedup=goal.min_speedup,
     )
 
 
@@ -299,7 +324,7 @@ def _fastest_once(
     if uses_fp16(job):
         engine.scale = propose_scale([], engine.reference)
     served = [s for s in ran if s.serving]
-    unmeasured = {s.name: [_unmeasured(c) for c in s.serving] for s in served}
+    unmeasured = {s.name: [_unmeasured(c, goal.per_matmul) for c in s.serving] for s in served}
     found = _timed(Found(dict.fromkeys(unmeasured), unmeasured, {}, flops=flops), ran, job, gpu)
     touched = [s for s in served if found.gemms[s.name] is not None]
     proposal = _choose(engine, touched, found, 0.0, goal)
@@ -308,10 +333,10 @@ def _fastest_once(
     policy = build_policy(job.model, picked, format_dtype(job.region), names)
     sqnr = with_policy(engine, "the fastest policy, measured once", policy)
     if math.isnan(sqnr) or sqnr == -math.inf:
-        engine.expect(sum(len(s.serving) for s in served) + 2 + int(goal.check))
+        engine.expect(_alone_passes([s.serving for s in served], goal) + 2 + int(goal.check))
         engine.run_reference(ran)  # the modules' own tensors, to measure each alone
         return None
-    rows = [_row(job, s, found, proposal) for s in ran]
+    rows = [_row(job, s, found, proposal, goal) for s in ran]
     note = (
         'objective="speed" without a target: the fastest policy on the GPU, predicted from '
         "the reference pass's GEMM shapes and measured once; the modules alone were not "
@@ -320,8 +345,10 @@ def _fastest_once(
     return _advice(engine, goal, found, (policy, proposal, rows), (math.nan, sqnr, None), [note])
 
 
-def _unmeasured(cand: Candidate) -> Measurement:
-    return Measurement(cand.word, math.nan, math.nan, None, None)
+def _unmeasured(cand: Candidate, split: bool) -> Measurement:
+    nan = math.nan
+    matmuls = (nan, nan, nan) if split and cand.splits else None
+    return Measurement(cand.word, nan, nan, None, None, matmuls=matmuls)
 
 
 def _exact(found: list[Measurement]) -> bool:
@@ -394,16 +421,24 @@ def _choose(
                 (high, found.kept.get(s.name), found.kept_time.get(s.name)),
                 goal.gpu,
                 fp16=found.ranges[s.name],
+                per_matmul=_per_matmul(job, found, s, goal),
             )
             for s in subjects
         ]
-        proposal = search(choices, db_to_ratio(region_sqnr), goal.target)
+        target = replace(goal.target, max_time=_budget(goal, found, subjects))
+        proposal = search(choices, db_to_ratio(region_sqnr), target)
         pairs = zip(subjects, proposal.choices, strict=True)
         missing = [s for s, c in pairs if c.kept and s.name not in found.kept]
         if kept_cand is None or not missing:
             return proposal
         engine.expect(len(missing))
         found.kept.update({s.name: isolated(engine, s, kept_cand) for s in missing})
+
+
+def _per_matmul(job: Job, found: Found, s: Subject, goal: Goal) -> PerMatmul | None:
+    if not goal.per_matmul:
+        return None
+    return PerMatmul(format_dtype(job.region), job.region, found.gemms.get(s.name))
 
 
 def _check_pass(engine: Engine, goal: Goal, policy: Policy, cheapest: Cheapest) -> float | None:
@@ -416,8 +451,13 @@ def _check_pass(engine: Engine, goal: Goal, policy: Policy, cheapest: Cheapest) 
     return with_policy(engine, "check: proposal applied", policy)
 
 
-def _row(job: Job, s: Subject, found: Found, proposal: Proposal) -> ModuleAdvice:
+def _row(job: Job, s: Subject, found: Found, proposal: Proposal, goal: Goal) -> ModuleAdvice:
     choice = next((c for c in proposal.choices if c.name == s.name), None)
+    measured = found.alone.get(s.name, ())
+    chosen = None
+    per = _per_matmul(job, found, s, goal)
+    if per is not None and choice is not None and "/" in choice.current.word:
+        chosen = mix_measurement(measured, choice.current, per, goal.gpu)
     return ModuleAdvice(
         name=s.name,
         kind=type(s.module).__name__,
@@ -430,6 +470,8 @@ def _row(job: Job, s: Subject, found: Found, proposal: Proposal) -> ModuleAdvice
         kept_measurement=found.kept.get(s.name),
         served=choice is not None,
         kept_time=found.kept_time.get(s.name),
+        chosen=chosen,
+        gemms=found.gemms.get(s.name),
     )
 
 
@@ -459,13 +501,31 @@ def _unserved_note(rows: list[ModuleAdvice]) -> list[str]:
 
 def _step(gpu: GPU | None, found: Found, rows: list[ModuleAdvice]) -> StepTime | None:
     """The step's matmuls: the baseline has every measured module in 16-bit."""
-    flops = found.flops
-    if gpu is None or flops is None:
+    if gpu is None or found.flops is None:
         return None
     bf16 = Operands.uniform(BF16)
     timed = []
     for r in rows:
         base = predict(gpu, found.gemms[r.name], bf16)
         timed.append((r.name, base, r.time if r.served else base))
+    return step_time(gpu, timed, _other_flops(found))
+
+
+def _other_flops(found: Found) -> float:
+    """The step's matmul FLOP outside the measured modules' GEMMs."""
+    assert found.flops is not None
     mine = sum(counted_flops(g) for g in found.gemms.values())
-    return step_time(gpu, timed, max(0.0, flops.total - mine))
+    return max(0.0, found.flops.total - mine)
+
+
+def _budget(goal: Goal, found: Found, searched: list[Subject]) -> float | None:
+    """For ``min_speedup``: the seconds the searched modules may take together."""
+    gpu, speedup = goal.gpu, goal.min_speedup
+    if gpu is None or speedup is None or found.flops is None:
+        return None
+    bf16 = Operands.uniform(BF16)
+    base = {n: predict(gpu, g, bf16) for n, g in found.gemms.items()}
+    times = {n: t.total for n, t in base.items() if t is not None}
+    mine = sum(times.get(s.name, 0.0) for s in searched)
+    baseline = sum(times.values()) + step_time(gpu, [], _other_flops(found)).other
+    return time_budget(baseline, mine, speedup)

@@ -71,6 +71,28 @@ def check_args(
         )
 
 
+def check_speedup(min_speedup: object, objective: object) -> None:
+    """``min_speedup`` goes with ``objective="sqnr"`` (and only with it): a number above 0."""
+    if objective == "sqnr" and min_speedup is None:
+        raise ConfigError(
+            'objective="sqnr" needs min_speedup: the least predicted speedup against bf16 '
+            "(e.g. min_speedup=1.5), within which the most precise policy is chosen"
+        )
+    if min_speedup is None:
+        return
+    if objective != "sqnr":
+        raise ConfigError(
+            f'min_speedup goes with objective="sqnr" (the most precise policy at least that '
+            f"much faster than bf16), got objective={objective!r}"
+        )
+    if (
+        isinstance(min_speedup, bool)
+        or not isinstance(min_speedup, (int, float))
+        or not (0 < min_speedup < math.inf)
+    ):
+        raise ConfigError(f"min_speedup must be a number above 0, got {min_speedup!r}")
+
+
 def _short(value: object) -> str:
     text = repr(value)
     return text if len(text) <= 40 else text[:37] + "..."
@@ -165,6 +187,12 @@ class Candidate:
     @property
     def is_fp16(self) -> bool:
         return self.dtype == torch.float16
+
+    @property
+    def splits(self) -> bool:
+        """A registry recipe, whose matmuls the advisor can measure and choose one by one (a
+        rule per matmul given as a candidate is measured whole)."""
+        return self.recipe is not None and "/" not in self.recipe
 
     def serves(self, module: nn.Module) -> bool:
         """Whether this precision can be applied to ``module`` (16-bit: any module; a recipe:

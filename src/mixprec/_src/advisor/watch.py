@@ -43,7 +43,7 @@ from mixprec._src.advisor.arguments import (
     parse_candidates,
     region_dtype,
 )
-from mixprec._src.advisor.choose.options import module_choice
+from mixprec._src.advisor.choose.options import PerMatmul, module_choice
 from mixprec._src.advisor.choose.policy import build_policy
 from mixprec._src.advisor.choose.search import Target, search
 from mixprec._src.advisor.measure.guard import Guard
@@ -51,6 +51,7 @@ from mixprec._src.advisor.measure.metrics import db_to_ratio, ratio_to_db
 from mixprec._src.advisor.measure.passes import Engine, Job, Subject, in_pass, isolated
 from mixprec._src.advisor.report.advice import Advice, Measurement, ModuleAdvice
 from mixprec._src.advisor.speed.gpus import get_gpu
+from mixprec._src.advisor.speed.model import BF16, Operands, predict, time_budget
 from mixprec._src.autocast.calls import region_policy
 from mixprec._src.autocast.policy import Policy
 from mixprec._src.autocast.rules import format_dtype
@@ -175,7 +176,7 @@ class Watch:
         self.every, self.sample = every, sample
         self.tolerance, self.rise, self.hook = tolerance, rise, hook
         names = dict(model.named_modules())
-        self._watched = [m for m in advice.modules if m.served and m.choice in m.candidates]
+        self._watched = [m for m in advice.modules if m.served and _watchable(m)]
         self._modules = {m.name: names[m.name] for m in self._watched}
         self._trained = _TrainedPolicies(model)
         self._warned: set[Policy | None] = set()
@@ -363,26 +364,50 @@ class Watch:
                 m.measurements,
                 (advice.kept_precision, m.kept_measurement, m.kept_time),
                 gpu,
-                db_of=self._lowered(m),
+                adjust=self._lowered(m),
+                per_matmul=_per_matmul(advice, m),
             )
             for m in served
         ]
-        target = Target(advice.min_sqnr, advice.keep_at_most, advice.objective)
+        target = Target(advice.min_sqnr, advice.keep_at_most, advice.objective, _budget(advice))
         found = search(choices, db_to_ratio(advice.region_sqnr), target)
         picked = {c.name: c.current.word for c in found.choices}
         names = [m.name for m in served]
         policy = build_policy(self.model, picked, format_dtype(advice.dtype), names)
         return None if policy == advice.policy else policy
 
-    def _lowered(self, row: ModuleAdvice) -> Callable[[Measurement], float]:
+    def _lowered(self, row: ModuleAdvice) -> Callable[[str, float], float]:
+        """An option's SQNR with the margin the module lost since (its chosen option only; an
+        option with an alert is no option)."""
         lost, flagged = self._lost.get(row.name, 0.0), row.name in self._flagged
 
-        def db_of(m: Measurement) -> float:
-            if not m.finite or (flagged and m.candidate == row.choice):
-                return -math.inf
-            return m.model_grad_sqnr - (lost if m.candidate == row.choice else 0.0)
+        def adjust(word: str, db: float) -> float:
+            if word != row.choice:
+                return db
+            return -math.inf if flagged else db - lost
 
-        return db_of
+        return adjust
+
+
+def _budget(advice: Advice) -> float | None:
+    """The advice's time budget for its served modules (``min_speedup``), as advise set it."""
+    if advice.min_speedup is None or advice.step is None or advice.gpu is None:
+        return None
+    gpu, bf16 = get_gpu(advice.gpu), Operands.uniform(BF16)
+    times = [predict(gpu, m.gemms, bf16) for m in advice.modules if m.served]
+    searched = sum(t.total for t in times if t is not None)
+    return time_budget(advice.step.baseline, searched, advice.min_speedup)
+
+
+def _watchable(row: ModuleAdvice) -> bool:
+    """A module in a measured candidate or a mix of them (not kept)."""
+    return row.choice in row.candidates or row.chosen is not None
+
+
+def _per_matmul(advice: Advice, row: ModuleAdvice) -> PerMatmul | None:
+    if not advice.per_matmul:
+        return None
+    return PerMatmul(format_dtype(advice.dtype), advice.dtype, row.gemms)
 
 
 class _TrainedPolicies:

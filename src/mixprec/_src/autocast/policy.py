@@ -237,6 +237,30 @@ class Policy:
                     return cls, found
         return None
 
+    def with_matmuls(
+        self, fprop: str | None = None, dgrad: str | None = None, wgrad: str | None = None
+    ) -> Policy:
+        """This policy with the given matmuls of every fp8-family module rule in other formats
+        (a recipe word or ``"bf16"``, ``"fp16"``, ``"fp32"``; None keeps them): the late phase
+        of training where the forward matmuls return to 16-bit is
+        ``policy.with_matmuls(fprop="bf16")``. Other rules are kept as they are.
+
+        Example:
+            >>> from mixprec import Policy
+            >>> str(Policy("nn.Linear=nvfp4, lm_head=bf16").with_matmuls(fprop="bf16"))
+            'nn.Linear=bf16/nvfp4/nvfp4, lm_head=bf16'
+
+        Raises:
+            ConfigError: an unknown format.
+
+        Host sync: none.
+        """
+        modules = {
+            key: rule.with_matmuls(fprop, dgrad, wgrad) if rule.fp8_family else rule
+            for key, rule in self.modules.items()
+        }
+        return Policy(modules=modules, ops=dict(self.ops), strict=self.strict)
+
     def resolve(self, model: nn.Module) -> dict[str, Rule]:
         """Resolve the module rules over ``model.named_modules()`` (the static view).
 

@@ -56,7 +56,7 @@ class Scope:
     """One module call served by a recipe: its name, the stats it records into, and what it did
     (served matmuls, the calls that took one of its weights). Host sync: none."""
 
-    __slots__ = ("called", "guarded", "hp", "model", "name", "recipe", "served", "stats")
+    __slots__ = ("called", "guarded", "hp", "label", "model", "name", "recipe", "served", "stats")
 
     def __init__(
         self,
@@ -66,9 +66,11 @@ class Scope:
         stats: Fp8Stats | None,
         guarded: bool,
         model: object = None,
+        label: str | None = None,
     ) -> None:
         self.name, self.recipe, self.hp, self.stats = name, recipe, hp, stats
         self.guarded, self.model = guarded, model
+        self.label = recipe.name if label is None else label  # the recipe its stats record
         self.served = 0
         self.called: list[str] = []  # the functions that took one of its weights
 
@@ -76,7 +78,7 @@ class Scope:
         """The plan of one served matmul on ``device``. Host sync: none."""
         slot = None
         if self.stats is not None:
-            slot = self.stats.slot(self.name, device, self.recipe.name, self.model)
+            slot = self.stats.slot(self.name, device, self.label, self.model)
         return Plan(self.recipe, self.hp, use_scaled_mm(device, self.recipe), slot, self.name)
 
 
@@ -400,10 +402,13 @@ class Token:
         self.mode, self.scope = mode, scope
 
 
-def enter_module(module: nn.Module, name: str | None, recipe: Recipe, hp: torch.dtype) -> Token:
+def enter_module(
+    module: nn.Module, name: str | None, recipe: Recipe, hp: torch.dtype, label: str | None = None
+) -> Token:
     """Serve every matmul on ``module``'s weights by ``recipe`` until :func:`exit_module`
     (whatever calls them), with ``hp`` the dtype around them; while an
-    :class:`~mixprec.Fp8Stats` is entered, the casts are recorded under ``name``.
+    :class:`~mixprec.Fp8Stats` is entered, the casts are recorded under ``name`` (and the
+    recipe name ``label``, default the recipe's).
 
     Example:
         >>> from mixprec._src.fp8.recipes import get_recipe
@@ -413,7 +418,7 @@ def enter_module(module: nn.Module, name: str | None, recipe: Recipe, hp: torch.
 
     Host sync: none.
     """
-    scope = Scope(name or "", recipe, hp, stats_for_scope(), guarded=False)
+    scope = Scope(name or "", recipe, hp, stats_for_scope(), False, None, label)
     mode = Fp8Mode(list(module.parameters()), lambda: scope)
     mode.__enter__()
     return Token(mode, scope)

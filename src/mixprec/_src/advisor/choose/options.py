@@ -4,20 +4,45 @@ An option is a candidate the module was measured in and, with a GPU, that the GP
 hardware (a recipe without a kernel there is measured and shown, never chosen), then keeping the
 module: its figures are its measurement in the kept precision when there is one (around fp8,
 the region's 16-bit dtype), else no error.
+
+Per matmul (:class:`PerMatmul`), the recipes measured one matmul at a time also combine: each
+of the module's three matmuls takes one of those recipes or the region's dtype
+(``"nvfp4/nvfp4/bf16"``). Such an option's error is its matmuls' errors added (a matmul in the
+region's dtype adds none of its own: the region's rounding is in each matmul's pass), its time
+the speed model's for that mix. Options come cheapest first: each matmul costs the rank of its
+format among the candidates (the region's dtype ranks where it is listed, else after them).
 """
 
 from __future__ import annotations
 
+import itertools
 import math
 from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+
+import torch
 
 from mixprec._src.advisor.arguments import Candidate
 from mixprec._src.advisor.choose.search import Choice, Option
-from mixprec._src.advisor.measure.metrics import db_to_ratio
+from mixprec._src.advisor.measure.metrics import db_to_ratio, ratio_to_db
 from mixprec._src.advisor.report.advice import Fp16Range, Measurement
 from mixprec._src.advisor.speed.gpus import GPU
-from mixprec._src.advisor.speed.model import Time
-from mixprec._src.advisor.speed.operands import no_kernel, runs_on
+from mixprec._src.advisor.speed.model import Gemms, Time, predict
+from mixprec._src.advisor.speed.operands import no_kernel, operands, runs_on
+from mixprec._src.autocast.rules import Rule
+
+#: Adjusts an option's SQNR (dB) by its word (Watch lowers the chosen one by the margin lost).
+Adjust = Callable[[str, float], float]
+
+
+@dataclass(frozen=True)
+class PerMatmul:
+    """How to combine recipes per matmul: the word of a matmul in the region's dtype, the
+    region's dtype, and the module's GEMMs (for the mixes' times)."""
+
+    high: str
+    region: torch.dtype
+    gemms: Gemms | None
 
 
 def module_choice(
@@ -25,17 +50,25 @@ def module_choice(
     found: Sequence[Measurement],
     kept: tuple[str, Measurement | None, Time | None],
     gpu: GPU | None,
-    db_of: Callable[[Measurement], float] | None = None,
+    adjust: Adjust | None = None,
     fp16: Fp16Range | None = None,
+    per_matmul: PerMatmul | None = None,
 ) -> Choice:
     """The module's :class:`Choice`: ``kept`` is (kept word, its measurement or None, its
-    time); ``db_of`` gives a measurement's whole-model gradient SQNR (default: as measured;
-    Watch lowers it by the margin lost since)."""
-    db_of = db_of or _measured_db
+    time); ``adjust`` changes an option's SQNR (default: as measured); with ``per_matmul``,
+    the mixes of the recipes measured per matmul are options too."""
     runnable = [m for m in found if gpu is None or runs_on(gpu, Candidate.of(m.candidate))]
-    options = [_option(m.candidate, db_of(m), m.time) for m in runnable]
+    ranked = [
+        (3 * _rank(found, m.candidate), _option(m.candidate, _db(m), m.time)) for m in runnable
+    ]
+    if per_matmul is not None:
+        ranked += _mixes(found, gpu, per_matmul)
+    ranked.sort(key=lambda pair: pair[0])
+    options = [o for _, o in ranked]
     word, kept_m, kept_time = kept
-    options.append(_option(word, math.inf if kept_m is None else db_of(kept_m), kept_time))
+    options.append(_option(word, math.inf if kept_m is None else _db(kept_m), kept_time))
+    if adjust is not None:
+        options = [_adjusted(o, adjust) for o in options]
     no_option = None
     if found and not runnable:
         assert gpu is not None
@@ -43,13 +76,71 @@ def module_choice(
     return Choice(name, options, detail=overflow_detail(fp16), no_option=no_option)
 
 
-def _measured_db(m: Measurement) -> float:
+def _db(m: Measurement) -> float:
     return m.model_grad_sqnr if m.finite else -math.inf
 
 
 def _option(word: str, db: float, time: Time | None) -> Option:
     ratio = math.inf if db == -math.inf else db_to_ratio(db)
     return Option(word, ratio, db, 0.0 if time is None else time.total)
+
+
+def _adjusted(o: Option, adjust: Adjust) -> Option:
+    db = adjust(o.word, o.db)
+    if db == o.db:
+        return o
+    return Option(o.word, math.inf if db == -math.inf else db_to_ratio(db), db, o.time)
+
+
+def _rank(found: Sequence[Measurement], word: str) -> int:
+    words = [m.candidate for m in found]
+    return words.index(word) if word in words else len(words)
+
+
+def _mixes(
+    found: Sequence[Measurement], gpu: GPU | None, per: PerMatmul
+) -> list[tuple[int, Option]]:
+    """Every mix of the recipes measured per matmul and the region's dtype, with at least two
+    formats (a recipe on all three matmuls is that candidate already), ranked."""
+    parts: list[tuple[str, Sequence[float]]] = [
+        (m.candidate, m.matmuls) for m in found if m.matmuls is not None
+    ]
+    if not parts:
+        return []
+    parts.append((per.high, (math.inf,) * 3))
+    out = []
+    for combo in itertools.product(range(len(parts)), repeat=3):
+        if len(set(combo)) == 1:
+            continue
+        words = [parts[j][0] for j in combo]
+        word = str(Rule("/".join(words)))
+        dbs = [parts[j][1][i] for i, j in enumerate(combo)]
+        db = -math.inf if -math.inf in dbs else ratio_to_db(sum(db_to_ratio(d) for d in dbs))
+        time = None
+        if gpu is not None:
+            cand = Candidate.of(word)
+            if not runs_on(gpu, cand):
+                continue
+            time = predict(gpu, per.gemms, operands(cand, per.region))
+        out.append((sum(_rank(found, w) for w in words), _option(word, db, time)))
+    return out
+
+
+def mix_measurement(
+    found: Sequence[Measurement], option: Option, per: PerMatmul, gpu: GPU | None
+) -> Measurement:
+    """The figures of a chosen mix (an option :func:`_mixes` built), as the prediction adds them
+    up from the matmuls measured alone; the tensor figures were not measured (NaN)."""
+    rule = Rule(option.word)
+    assert rule.matmuls is not None
+    by_word = {m.candidate: m.matmuls for m in found if m.matmuls is not None}
+    dbs = [math.inf if w == per.high else by_word[w][i] for i, w in enumerate(rule.matmuls)]
+    time = None
+    if gpu is not None:
+        time = predict(gpu, per.gemms, operands(Candidate.of(option.word), per.region))
+    nan = math.nan
+    matmuls = (dbs[0], dbs[1], dbs[2])
+    return Measurement(option.word, option.db, nan, nan, nan, time=time, matmuls=matmuls)
 
 
 def overflow_detail(fp16: Fp16Range | None) -> str | None:

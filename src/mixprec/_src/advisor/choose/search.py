@@ -18,6 +18,10 @@ the fastest: on a small layer the casts cost more than fp8 saves). With more kep
 ``keep_at_most``, the ones that lose the least time go to their fastest candidate. Then, while
 the target is missed, the move that removes the most error per second added is made; finally
 every move back to a faster option that keeps the target met, the one saving most first.
+
+``"sqnr"``: the most precise policy within a time budget (``max_time``, the modules' seconds
+together): from the fastest options, the move that removes the most error per second added,
+while the budget allows one.
 """
 
 from __future__ import annotations
@@ -28,7 +32,7 @@ from dataclasses import dataclass, field
 
 from mixprec._src.advisor.measure.metrics import ratio_to_db
 
-OBJECTIVES = ("fewest_kept", "speed")
+OBJECTIVES = ("fewest_kept", "speed", "sqnr")
 
 
 @dataclass
@@ -74,11 +78,13 @@ class Choice:
 
 @dataclass(frozen=True)
 class Target:
-    """What the search aims for: the least predicted SQNR, the most kept, the objective."""
+    """What the search aims for: the least predicted SQNR, the most kept, the objective and,
+    for ``"sqnr"``, the most seconds the searched modules may take together."""
 
     min_sqnr: float | None = None
     keep_at_most: int | None = None
     objective: str = "fewest_kept"
+    max_time: float | None = None
 
     @property
     def limit(self) -> float:
@@ -99,11 +105,14 @@ def search(choices: list[Choice], region_ratio: float, target: Target) -> Propos
     """Choose an option per module for ``target``; fills each choice's ``reason``."""
     if target.objective == "speed":
         _fastest(choices, region_ratio, target)
+    elif target.objective == "sqnr":
+        _most_precise(choices, target)
     else:
         _fewest(choices, region_ratio, target)
     predicted = predicted_db(choices, region_ratio)
     kept = sum(c.kept for c in choices)
     met = (target.min_sqnr is None or predicted >= target.min_sqnr) and kept <= target.limit
+    met = met and (target.max_time is None or total_time(choices) <= target.max_time)
     for c in choices:
         c.reason = _reason(c, target.objective)
     return Proposal(choices, predicted, met, _notes(choices, predicted, region_ratio, target))
@@ -250,19 +259,45 @@ def _upgrade_per_second(
 def _trim(choices: list[Choice], region_ratio: float, min_sqnr: float, limit: float) -> None:
     while True:
         best: tuple[float, Choice, int] | None = None
+        noise = region_ratio + sum(c.current.ratio for c in choices)
         for c in choices:
             for i in _allowed(c):
                 saved = c.current.time - c.options[i].time
                 if saved <= 0 or not _move_ok(c, i, choices, limit):
                     continue
-                old, c.index = c.index, i
-                fine = predicted_db(choices, region_ratio) >= min_sqnr
-                c.index = old
+                fine = ratio_to_db(noise - c.current.ratio + c.options[i].ratio) >= min_sqnr
                 if fine and (best is None or saved > best[0]):
                     best = (saved, c, i)
         if best is None:
             return
         _move(best[1], best[2])
+
+
+def total_time(choices: Sequence[Choice]) -> float:
+    """The predicted seconds of the choices as they stand."""
+    return sum(c.current.time for c in choices)
+
+
+def _most_precise(choices: list[Choice], target: Target) -> None:
+    for c in choices:
+        c.index = c.start = min(_allowed(c), key=lambda i: (c.options[i].time, c.options[i].ratio))
+    _within_limit(choices, target.limit)
+    budget = math.inf if target.max_time is None else target.max_time
+    while True:
+        room = budget - total_time(choices)
+        best: tuple[float, float, Choice, int] | None = None
+        for c in choices:
+            for i in _allowed(c):
+                gain = c.current.ratio - c.options[i].ratio
+                cost = c.options[i].time - c.current.time
+                if gain <= 0 or cost > room or not _move_ok(c, i, choices, target.limit):
+                    continue
+                score = math.inf if cost <= 0 else gain / cost
+                if best is None or (score, gain) > (best[0], best[1]):
+                    best = (score, gain, c, i)
+        if best is None:
+            return
+        _move(best[2], best[3])
 
 
 # --- words -----------------------------------------------------------------------------------
@@ -275,7 +310,7 @@ def _reason(c: Choice, objective: str) -> str:
     if c.kept and not _finite(c):
         lead = f"{c.options[0].word} gives inf/NaN" + (f" ({c.detail})" if c.detail else "")
         return f"kept: {lead}"
-    if objective == "speed":
+    if objective in ("speed", "sqnr"):
         return _speed_reason(c, word)
     first, cur = c.options[0], c.current
     if c.index == 0:
@@ -322,6 +357,12 @@ def _notes(
         why += [f"{none} have no candidate the GPU runs in hardware"] if none else []
         notes.append(
             f"{kept} modules kept, more than keep_at_most={int(limit)}: {' and '.join(why)}"
+        )
+    budget, spent = target.max_time, total_time(choices)
+    if budget is not None and spent > budget:
+        notes.append(
+            f"the speed target is out of reach: the fastest options of the measured modules "
+            f"take {_us(spent)}, {_us(max(budget, 0.0))} would meet it"
         )
     if min_sqnr is not None and predicted < min_sqnr:
         region_db = ratio_to_db(region_ratio)

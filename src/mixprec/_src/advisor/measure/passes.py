@@ -30,7 +30,7 @@ from torch import nn
 
 from mixprec._src.advisor.arguments import LOSS_FORM, Candidate
 from mixprec._src.advisor.measure.guard import Guard
-from mixprec._src.advisor.measure.metrics import FP16_MAX, Fp16Range, Power, fp16_range
+from mixprec._src.advisor.measure.metrics import FP16_MAX, Fp16Range, Power, fp16_range, ratio_to_db
 from mixprec._src.advisor.report.advice import Measurement
 from mixprec._src.advisor.speed.model import FlopCount, counting
 from mixprec._src.autocast.policy import Policy
@@ -439,12 +439,13 @@ def _float32(device_type: str) -> autocast:
 _NO_RULES = Policy()
 
 
-def isolated(engine: Engine, subject: Subject, cand: Candidate) -> Measurement:
-    """Run ``subject`` alone in ``cand`` (the rest in float32) and compare with the reference."""
-    tap = Tap(subject.module, against=subject.record, scale=engine.scale)
+def isolated(engine: Engine, subject: Subject, cand: Candidate, split: bool = False) -> Measurement:
+    """Run ``subject`` alone in ``cand`` (the rest in float32) and compare with the reference;
+    with ``split``, a registry recipe per matmul (:func:`_per_matmul`, two passes)."""
+    if split and cand.splits:
+        return _per_matmul(engine, subject, cand)
     stats = Fp8Stats() if cand.recipe is not None else None
-    make = _alone_in(cand, subject, engine, stats)
-    grads = engine.run(f"{subject.name} in {cand.word}", [tap], isolate=(subject.module, make))
+    tap, grads = _run_alone(engine, subject, cand, stats)
     has_input_grads = subject.record.has_input_grad
     weight = engine.subset_power(grads, subject.param_index) if subject.param_index else None
     return Measurement(
@@ -457,16 +458,70 @@ def isolated(engine: Engine, subject: Subject, cand: Candidate) -> Measurement:
     )
 
 
+def passes_per(cand: Candidate, split: bool) -> int:
+    """The passes :func:`isolated` runs for one module in ``cand``. Host sync: none."""
+    return 2 if split and cand.splits else 1
+
+
+def _run_alone(
+    engine: Engine,
+    subject: Subject,
+    cand: Candidate,
+    stats: Fp8Stats | None,
+    label: str | None = None,
+    what: str | None = None,
+) -> tuple[Tap, list[torch.Tensor | None]]:
+    tap = Tap(subject.module, against=subject.record, scale=engine.scale)
+    make = _alone_in(cand, subject, engine, stats, label)
+    text = f"{subject.name} {what or 'in ' + cand.word}"
+    return tap, engine.run(text, [tap], isolate=(subject.module, make))
+
+
+def _per_matmul(engine: Engine, subject: Subject, cand: Candidate) -> Measurement:
+    """``cand``'s recipe one matmul at a time, in two passes: fprop in it (dgrad and wgrad in
+    float32), then dgrad and wgrad in it (fprop in float32). With the forward exact, dgrad's
+    error reaches only the gradients upstream of the module and wgrad's only its own weight's:
+    the second pass tells them apart by where the error landed. The casts of both passes are
+    recorded as the recipe's."""
+    word, stats = cand.word, Fp8Stats()
+    forward = Candidate.of(f"{word}/fp32/fp32")
+    backward = Candidate.of(f"fp32/{word}/{word}")
+    tap_f, grads_f = _run_alone(engine, subject, forward, stats, cand.recipe, f"fprop in {word}")
+    text = f"dgrad, wgrad in {word}"
+    tap_b, grads_b = _run_alone(engine, subject, backward, stats, cand.recipe, text)
+    own = subject.param_index
+    others = [i for i in range(len(engine.reference)) if i not in set(own)]
+    whole = engine.model_power(grads_b)
+    fprop = engine.model_power(grads_f).ratio
+    dgrad = Power(whole.signal, engine.subset_power(grads_b, others).noise).ratio
+    wgrad = Power(whole.signal, engine.subset_power(grads_b, own).noise).ratio
+    has_input_grads = subject.record.has_input_grad
+    return Measurement(
+        candidate=word,
+        model_grad_sqnr=ratio_to_db(fprop + dgrad + wgrad),
+        output_sqnr=tap_f.comparison.output.sqnr,
+        input_grad_sqnr=tap_b.comparison.input_grad.sqnr if has_input_grads else None,
+        weight_grad_sqnr=engine.subset_power(grads_b, own).sqnr if own else None,
+        fp8=stats.read().get(subject.name),
+        matmuls=(ratio_to_db(fprop), ratio_to_db(dgrad), ratio_to_db(wgrad)),
+    )
+
+
 def _alone_in(
-    cand: Candidate, subject: Subject, engine: Engine, stats: Fp8Stats | None
+    cand: Candidate,
+    subject: Subject,
+    engine: Engine,
+    stats: Fp8Stats | None,
+    label: str | None = None,
 ) -> Callable[[], AbstractContextManager[Any]]:
     """A factory of the region ``subject`` runs in while the rest stays in float32. An fp8
     candidate runs the module's matmuls in fp8 with the region's dtype around them (as the
-    policy will) and records the module's casts into ``stats`` under its name."""
+    policy will) and records the module's casts into ``stats`` under its name (and the recipe
+    name ``label``, default its own)."""
     dtype, recipe, region = cand.dtype, cand.recipe, engine.job.region
     if recipe is not None:
         assert stats is not None
-        return lambda: _fp8_module(subject.module, subject.name, recipe, region, stats)
+        return lambda: _fp8_module(subject.module, subject.name, recipe, region, stats, label)
     assert dtype is not None
     device_type = engine.device_type
     return lambda: autocast(device_type, dtype=dtype)
@@ -474,10 +529,10 @@ def _alone_in(
 
 @contextmanager
 def _fp8_module(
-    module: nn.Module, name: str, recipe: str, hp: torch.dtype, stats: Fp8Stats
+    module: nn.Module, name: str, recipe: str, hp: torch.dtype, stats: Fp8Stats, label: str | None
 ) -> Iterator[None]:
     with stats:
-        token = fp8_hook.enter_module(module, name, get_recipe(recipe), hp)
+        token = fp8_hook.enter_module(module, name, get_recipe(recipe), hp, label)
         try:
             yield
         finally:
@@ -495,15 +550,15 @@ def with_policy(engine: Engine, label: str, policy: Policy | None) -> float:
 
 
 def measure_alone(
-    engine: Engine, subjects: Sequence[Subject]
+    engine: Engine, subjects: Sequence[Subject], split: bool = False
 ) -> tuple[dict[str, Fp16Range | None], dict[str, list[Measurement]]]:
-    """Each subject alone in each candidate that serves it; with float16 in play, first the
-    proposed loss scale (every later pass uses it), and each subject's float16 range figures
-    (else none)."""
+    """Each subject alone in each candidate that serves it (a registry recipe per matmul with
+    ``split``); with float16 in play, first the proposed loss scale (every later pass uses it),
+    and each subject's float16 range figures (else none)."""
     fp16 = uses_fp16(engine.job)
     if fp16:
         engine.scale = propose_scale(subjects, engine.reference)
-    alone = {s.name: [isolated(engine, s, c) for c in s.serving] for s in subjects}
+    alone = {s.name: [isolated(engine, s, c, split) for c in s.serving] for s in subjects}
     ranges = {s.name: _range(s, engine) if fp16 else None for s in subjects}
     return ranges, alone
 

@@ -10,7 +10,7 @@ from typing import Any
 
 import torch
 
-from mixprec._src.advisor.speed.model import StepTime, Time
+from mixprec._src.advisor.speed.model import Gemms, StepTime, Time
 from mixprec._src.autocast.policy import Policy
 from mixprec._src.autocast.rules import format_dtype
 from mixprec._src.fp8.stats import Fp8ModuleStats
@@ -34,6 +34,14 @@ class Measurement:
         time: with a ``gpu``, the module's predicted time per step in this candidate on
             that GPU (its three GEMMs and its casts); None without a GPU, for a module
             without a GEMM, or where the GPU cannot run the candidate.
+        matmuls: a recipe measured per matmul (``advise(..., per_matmul=True)``): the
+            whole-model gradient SQNR with only that matmul of the module in the recipe,
+            ``(fprop, dgrad, wgrad)`` (dB), from two passes: fprop in the recipe with the other
+            two in float32 (which also gives ``output_sqnr``), then fprop in float32 with dgrad
+            and wgrad in the recipe (their errors reach different gradients: dgrad's those of
+            everything upstream, wgrad's the module's own weight; that pass gives
+            ``input_grad_sqnr`` and ``weight_grad_sqnr``). ``model_grad_sqnr`` is then the
+            three errors added. None: the module measured whole, in one pass.
     """
 
     candidate: str
@@ -43,6 +51,7 @@ class Measurement:
     weight_grad_sqnr: float | None
     fp8: Fp8ModuleStats | None = None
     time: Time | None = None
+    matmuls: tuple[float, float, float] | None = None
 
     @property
     def finite(self) -> bool:
@@ -91,6 +100,12 @@ class ModuleAdvice:
         served: whether any candidate can serve the module (fp8 recipes serve ``nn.Linear``);
             an unserved module gets no rule and runs as the region runs it: it is not kept.
         kept_time: with a ``gpu``, its predicted time in the kept precision.
+        chosen: when the choice is a rule per matmul (``"nvfp4/nvfp4/bf16"``: not one of the
+            candidates measured), its figures as the prediction adds them up from the matmuls
+            measured alone (``model_grad_sqnr``, ``matmuls``; with a GPU its ``time``); the
+            other tensor figures are not measured (NaN). None otherwise.
+        gemms: the module's GEMMs per call, as the reference pass saw them (what the speed
+            model times); None for a module without one.
     """
 
     name: str
@@ -104,10 +119,14 @@ class ModuleAdvice:
     kept_measurement: Measurement | None = None
     served: bool = True
     kept_time: Time | None = None
+    chosen: Measurement | None = None
+    gemms: Gemms | None = None
 
     @property
     def time(self) -> Time | None:
         """Its predicted time in the proposal (None without a GPU). Host sync: none."""
+        if self.chosen is not None:
+            return self.chosen.time
         if not self.served or self.choice not in self.candidates:
             return self.kept_time
         chosen = self.measurement(self.choice)
@@ -119,10 +138,13 @@ class ModuleAdvice:
         return tuple(m.candidate for m in self.measurements)
 
     def measurement(self, candidate: str) -> Measurement | None:
-        """The measurement for ``candidate`` (None if that candidate cannot serve the module).
+        """The measurement for ``candidate`` (None if that candidate cannot serve the module);
+        for the chosen rule per matmul, its predicted figures (:attr:`chosen`).
 
         Host sync: none.
         """
+        if self.chosen is not None and self.chosen.candidate == candidate:
+            return self.chosen
         return next((m for m in self.measurements if m.candidate == candidate), None)
 
 
@@ -188,6 +210,9 @@ class Advice:
         objective: ``"fewest_kept"`` or ``"speed"`` (what the search chose by).
         step: with a GPU, the predicted time of the step's matmuls, proposal against
             bf16, and where it goes; else None.
+        per_matmul: whether each recipe was measured per matmul and the search gave a
+            module's three matmuls each their own format (``advise(..., per_matmul=...)``).
+        min_speedup: the stated least speedup against bf16 (``objective="sqnr"``), if any.
     """
 
     policy: Policy
@@ -209,6 +234,8 @@ class Advice:
     gpu: str | None = None
     objective: str = "fewest_kept"
     step: StepTime | None = None
+    per_matmul: bool = False
+    min_speedup: float | None = None
 
     @property
     def kept(self) -> tuple[str, ...]:
@@ -240,7 +267,11 @@ class Advice:
                 "kept_precision": self.kept_precision,
                 "kept": list(self.kept),
                 "candidates": list(self.candidates),
-                "target": {"min_sqnr": self.min_sqnr, "keep_at_most": self.keep_at_most},
+                "target": {
+                    "min_sqnr": self.min_sqnr,
+                    "keep_at_most": self.keep_at_most,
+                    "min_speedup": self.min_speedup,
+                },
                 "met": self.met,
                 "predicted_sqnr": self.predicted_sqnr,
                 "region_sqnr": self.region_sqnr,
@@ -250,6 +281,7 @@ class Advice:
                 "notes": list(self.notes),
                 "gpu": self.gpu,
                 "objective": self.objective,
+                "per_matmul": self.per_matmul,
                 "step": None if self.step is None else _step_dict(self.step),
                 "modules": [_module_dict(m) for m in self.modules],
             }
@@ -295,6 +327,8 @@ def _module_dict(m: ModuleAdvice) -> dict[str, Any]:
         "kept_measurement": None if m.kept_measurement is None else asdict(m.kept_measurement),
         "served": m.served,
         "kept_time": None if m.kept_time is None else asdict(m.kept_time),
+        "chosen": None if m.chosen is None else asdict(m.chosen),
+        "gemms": None if m.gemms is None else asdict(m.gemms),
     }
 
 

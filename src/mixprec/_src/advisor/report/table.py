@@ -14,6 +14,7 @@ if TYPE_CHECKING:
     from mixprec._src.advisor.speed.model import StepTime, Time
 
 _OPERANDS = (("in", "input"), ("w", "weight"), ("go", "grad_output"))
+_BY = {"speed": "speed", "fewest_kept": "fewest kept", "sqnr": "SQNR within the speedup"}
 
 
 def fmt_db(value: float | None) -> str:
@@ -157,6 +158,7 @@ def render(advice: Advice) -> str:
         *_align(groups, rows),
         "",
         *_legend(advice),
+        *_per_matmul(advice),
         "",
         f"policy:      {_policy_text(advice)}",
         f"region:      mixprec.autocast({advice.device_type!r}, dtype=torch."
@@ -183,6 +185,12 @@ def _legend_lines(advice: Advice) -> list[str]:
         "the prediction adds up); out, in-grad, w-grad: the module's output, input gradient "
         "and weight gradient"
     ]
+    if _split_words(advice):
+        lines.append(
+            "a recipe measured per matmul: model is its three matmuls' errors added (the "
+            "table per matmul below); out from the pass with fprop alone in the recipe, "
+            "in-grad and w-grad from the pass with dgrad and wgrad in it"
+        )
     if _timed(advice) and advice.step is not None:
         lines.append(
             f"µs: predicted time per step on {advice.step.gpu} (the module's three GEMMs "
@@ -203,6 +211,45 @@ def _legend_lines(advice: Advice) -> list[str]:
     return lines
 
 
+def _split_words(advice: Advice) -> list[str]:
+    """The candidates measured one matmul at a time."""
+    return [
+        w
+        for w in advice.candidates
+        if any((x := m.measurement(w)) is not None and x.matmuls for m in advice.modules)
+    ]
+
+
+def _per_matmul(advice: Advice) -> list[str]:
+    """Which matmul carries each module's error, per recipe: the whole-model gradient SQNR
+    with only that matmul in the recipe; ``*`` marks the module's worst in each."""
+    words = _split_words(advice)
+    if not words:
+        return []
+    groups: list[tuple[str, list[str]]] = [("", ["module"])]
+    groups += [(w, ["fprop", "dgrad", "wgrad"]) for w in words]
+    groups.append(("", ["decision"]))
+    rows = []
+    for m in advice.modules:
+        cells = [m.name]
+        for w in words:
+            x = m.measurement(w)
+            cells += _matmul_cells(None if x is None else x.matmuls)
+        rows.append([*cells, m.choice if m.served else "-"])
+    head = (
+        "per matmul: the whole-model gradient SQNR with only that matmul of the module in the "
+        "recipe (dB; * the module's worst: the matmul that carries its error)"
+    )
+    return ["", *textwrap.wrap(head, 100), *_align(groups, rows)]
+
+
+def _matmul_cells(dbs: tuple[float, float, float] | None) -> list[str]:
+    if dbs is None:
+        return ["", "", ""]
+    worst = min(range(3), key=lambda i: dbs[i])
+    return [fmt_db(d) + ("*" if i == worst and math.isfinite(d) else "") for i, d in enumerate(dbs)]
+
+
 def _policy_text(advice: Advice) -> str:
     text = str(advice.policy)
     return text or f"(no rules: the whole region in {format_dtype(advice.dtype)})"
@@ -214,6 +261,8 @@ def _prediction(advice: Advice) -> str:
         target.append(f">= {fmt_db(advice.min_sqnr)} dB")
     if advice.keep_at_most is not None:
         target.append(f"at most {advice.keep_at_most} kept")
+    if advice.min_speedup is not None:
+        target.append(f"at least {advice.min_speedup:g}x faster than bf16")
     status = (
         f" (target {', '.join(target)}: {'met' if advice.met else 'NOT met'})" if target else ""
     )
@@ -265,7 +314,7 @@ def _speed(advice: Advice) -> list[str]:
     lines = [
         f"speed:       {_us(step.proposal)} of matmuls per step on {step.gpu}, "
         f"{_us(step.baseline)} in bf16: {step.speedup:.2f}x (chosen by "
-        f"{'speed' if advice.objective == 'speed' else 'fewest kept'})",
+        f"{_BY[advice.objective]})",
         f"time goes:   measured modules' GEMMs {_us(step.gemms)}, their casts "
         f"{_us(step.casts)}, other matmuls (attention) {_us(step.other)}",
         f"             (not modelled: {_left_out(step)}elementwise ops, norms, the "

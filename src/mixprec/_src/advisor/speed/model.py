@@ -324,6 +324,19 @@ def step_time(
     return StepTime(gpu.name, base + other, gemms + casts + other, gemms, casts, other, left_out)
 
 
+def time_budget(baseline: float, searched: float, min_speedup: float) -> float:
+    """The seconds modules whose bf16 time is ``searched`` may take together for a step of
+    ``baseline`` seconds in bf16 to run ``min_speedup`` times faster (the rest unchanged).
+
+    Example:
+        >>> time_budget(10.0, 8.0, 2.0)  # the other 2 s stay: 3 s left for the 8 s of bf16
+        3.0
+
+    Host sync: none.
+    """
+    return baseline / min_speedup - (baseline - searched)
+
+
 def _sdpa(q: Any, k: Any, v: Any, *args: Any, out_val: Any = None, **kwargs: Any) -> int:
     return int(flop_counter.sdpa_flop_count(q.shape, k.shape, v.shape))
 

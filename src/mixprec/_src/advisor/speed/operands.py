@@ -18,7 +18,7 @@ import torch
 from mixprec._src.advisor.arguments import Candidate
 from mixprec._src.advisor.speed.gpus import GPU
 from mixprec._src.advisor.speed.model import BF16, FP32, ROW, Format, Operands, runs
-from mixprec._src.fp8.recipes import RECIPES, Cast
+from mixprec._src.fp8.recipes import Cast, get_recipe
 
 #: Scales stored in one byte (E8M0; E4M3 under an fp32 tensor scale); the others are fp32.
 _ONE_BYTE_SCALES = ("e8m0", "e4m3_fp32")
@@ -43,13 +43,15 @@ def cast_format(cast: Cast | None, high: Format) -> Format:
     return Format(kind, bits, along, size, tile=max(across, 1), tensor_scale=tensor_scale)
 
 
-def recipe_operands(name: str, high: Format = BF16) -> Operands | None:
-    """The operand formats of the registry's recipe ``name``, None if it has none; ``high``
-    for the matmuls a recipe leaves unquantized."""
-    recipe = RECIPES.get(name)
-    if recipe is None:
-        return None
-    x, w, dy_gi, w_gi, dy_gw, x_gw = (cast_format(c, high) for c in recipe.casts)
+def recipe_operands(name: str, high: Format = BF16) -> Operands:
+    """The operand formats of the recipe ``name`` (the registry's, or one put together per
+    matmul); ``high`` for the matmuls it leaves in the region's dtype (a matmul it runs in a
+    dtype of its own takes that dtype's format)."""
+    recipe = get_recipe(name)
+    highs = [high if d is None else dtype_format(d) for d in recipe.high]
+    x, w, dy_gi, w_gi, dy_gw, x_gw = (
+        cast_format(c, highs[i // 2]) for i, c in enumerate(recipe.casts)
+    )
     return Operands(x, w, dy_gi, w_gi, dy_gw, x_gw, recipe.capability)
 
 
@@ -60,9 +62,7 @@ def operands(cand: Candidate | None, region: torch.dtype, kept_word: str = "fp32
     if cand is None:
         return Operands.uniform(dtype_format(torch.float32) if kept_word == "fp32" else high)
     if cand.recipe is not None:
-        found = recipe_operands(cand.recipe, high)
-        assert found is not None  # a candidate's recipe is in the registry
-        return found
+        return recipe_operands(cand.recipe, high)
     assert cand.dtype is not None
     return Operands.uniform(dtype_format(cand.dtype))
 
@@ -76,7 +76,7 @@ def no_kernel(gpu: GPU, cands: list[Candidate]) -> str:
     """Why none of the recipe candidates ``cands`` is an option on ``gpu``."""
     words = [c.word for c in cands]
     lows = ", ".join(
-        sorted({"{}.{}".format(*RECIPES[c.recipe].capability[0]) for c in cands if c.recipe})
+        sorted({"{}.{}".format(*get_recipe(c.recipe).capability[0]) for c in cands if c.recipe})
     )
     cap = f"{gpu.capability[0]}.{gpu.capability[1]}"
     return (

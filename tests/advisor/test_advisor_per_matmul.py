@@ -1,0 +1,238 @@
+"""The advisor per matmul: each recipe measured one matmul at a time (fprop alone, then dgrad
+and wgrad), the search giving a module's three matmuls each their own format, and the
+``"sqnr"`` objective (the most precise policy at a least speedup).
+
+The figures are held to an oracle written here (the module's forward replaced by the recipe's
+Linear on a ``Plan``, the rest of the model in float32, the SQNR summed by hand); the premise of
+the split (dgrad's and wgrad's errors land on different gradients) is checked bitwise; the pass
+count stays within twice the per-module count for three candidates.
+"""
+
+from __future__ import annotations
+
+import math
+import warnings
+from typing import Any
+
+import pytest
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+import mixprec
+from mixprec._src.fp8.matmul import Plan, fp8_linear
+from mixprec._src.fp8.recipes import get_recipe
+from mixprec.errors import ConfigError
+
+CANDIDATES = ["nvfp4", "mxfp8", "bf16"]
+BF16 = torch.bfloat16
+
+
+def _model(seed: int = 0, bias: bool = True) -> nn.Module:
+    torch.manual_seed(seed)
+    return nn.Sequential(
+        nn.Linear(64, 64, bias=bias),
+        nn.GELU(),
+        nn.Linear(64, 64, bias=bias),
+        nn.GELU(),
+        nn.Linear(64, 32, bias=bias),
+    )
+
+
+def _batch(seed: int = 1) -> tuple[torch.Tensor, torch.Tensor]:
+    gen = torch.Generator().manual_seed(seed)
+    return torch.randn(128, 64, generator=gen), torch.randn(128, 32, generator=gen)
+
+
+def loss_fn(model: nn.Module, batch: Any) -> torch.Tensor:
+    x, y = batch
+    return F.mse_loss(model(x).float(), y)
+
+
+@pytest.fixture(scope="module")
+def advice() -> mixprec.types.Advice:
+    model = _model()
+    torch.manual_seed(5)  # the RNG state every pass starts from (nvfp4's stochastic rounding)
+    return mixprec.advise(model, _batch(), loss_fn, candidates=CANDIDATES, min_sqnr=24.0)
+
+
+# ---------------------------------------------------------------- the oracle
+def _grads(model: nn.Module, swap: dict[str, str] | None = None) -> list[torch.Tensor]:
+    """The parameters' gradients of one forward+backward in float32, with each module named in
+    ``swap`` running the recipe named there (its input and output in bf16, as the advisor's
+    passes have them), called directly."""
+    handles = []
+    for name, recipe in (swap or {}).items():
+        lin = dict(model.named_modules())[name]
+        plan = Plan(get_recipe(recipe), BF16, scaled_mm=False)
+
+        def forward(mod: nn.Module, args: Any, out: Any, plan: Plan = plan) -> torch.Tensor:
+            return fp8_linear(args[0], mod.weight, mod.bias, plan).float()
+
+        handles.append(lin.register_forward_hook(forward))
+    model.zero_grad(set_to_none=True)
+    torch.manual_seed(5)  # the advisor's guard gives every pass the RNG state it found
+    loss_fn(model, _batch()).backward()
+    for h in handles:
+        h.remove()
+    return [p.grad.detach().clone() for p in model.parameters()]
+
+
+def _noise(low: list[torch.Tensor], ref: list[torch.Tensor], keep: set[int]) -> float:
+    return sum(
+        float(((a.double() - b.double()) ** 2).sum())
+        for i, (a, b) in enumerate(zip(low, ref, strict=True))
+        if i in keep
+    )
+
+
+def _db(noise: float, ref: list[torch.Tensor]) -> float:
+    signal = sum(float((r.double() ** 2).sum()) for r in ref)
+    return -10 * math.log10(noise / signal)
+
+
+# ---------------------------------------------------------------- the tests
+def test_each_matmul_figure_is_that_matmul_alone_as_the_oracle_runs_it(advice: Any) -> None:
+    model = _model()
+    ref = _grads(model)
+    position = {name: i for i, (name, _) in enumerate(model.named_parameters())}
+    everything = set(range(len(ref)))
+    for row in advice.modules:
+        own = {position[f"{row.name}.weight"], position[f"{row.name}.bias"]}
+        for x in row.measurements:
+            if x.matmuls is None:
+                assert x.candidate == "bf16"  # a 16-bit candidate is measured whole
+                continue
+            recipe = get_recipe(x.candidate.replace("fp8:", "")).name
+            fwd = _grads(model, {row.name: f"{recipe}/fp32/fp32"})
+            bwd = _grads(model, {row.name: f"fp32/{recipe}/{recipe}"})
+            want = (
+                _db(_noise(fwd, ref, everything), ref),
+                _db(_noise(bwd, ref, everything - own), ref),
+                _db(_noise(bwd, ref, own), ref),
+            )
+            for got, exp, matmul in zip(x.matmuls, want, ("fprop", "dgrad", "wgrad"), strict=True):
+                assert got == pytest.approx(exp, abs=0.01), (row.name, x.candidate, matmul)
+            added = -10 * math.log10(sum(10 ** (-d / 10) for d in x.matmuls))
+            assert x.model_grad_sqnr == pytest.approx(added, abs=1e-9)
+
+
+@pytest.mark.parametrize("recipe", ["mxfp8", "nvfp4", "tensorwise"])
+def test_dgrad_and_wgrad_errors_land_on_different_gradients(recipe: str) -> None:
+    """The premise of the second pass, where the forward is exact (a float32 region: float32
+    around the recipe): the module's own weight gradient holds wgrad's error alone, the
+    gradients upstream dgrad's, and the ones downstream none."""
+    model = _model(bias=False)
+    ref = _grads(model)
+    word = "fp8" if recipe == "tensorwise" else recipe
+    for name, wgrad_only in (("2", f"fp32/fp32/{word}"), ("2", f"fp32/{word}/{word}")):
+        region = mixprec.autocast(
+            "cpu", torch.float32, policy=mixprec.Policy(modules={name: wgrad_only})
+        )
+        model.zero_grad(set_to_none=True)
+        torch.manual_seed(5)
+        with region:
+            loss = loss_fn(model, _batch())
+        loss.backward()
+        got = [p.grad for p in model.parameters()]
+        assert torch.equal(got[2], ref[2])  # downstream of the module: exact
+        if wgrad_only.startswith("fp32/fp32"):
+            assert torch.equal(got[0], ref[0])  # wgrad alone: nothing upstream moves
+        else:
+            assert not torch.equal(got[0], ref[0])  # dgrad reaches upstream
+        assert not torch.equal(got[1], ref[1])  # the module's own weight: wgrad's error
+
+
+def test_the_passes_stay_within_twice_the_per_module_count() -> None:
+    common: dict[str, Any] = dict(candidates=CANDIDATES, keep_at_most=0)
+    split = mixprec.advise(_model(), _batch(), loss_fn, **common)
+    whole = mixprec.advise(_model(), _batch(), loss_fn, per_matmul=False, **common)
+    linears = 3
+    # reference, per module: 2 passes per recipe and 1 for bf16, the region, the cheapest
+    assert split.passes == 1 + linears * (2 + 2 + 1) + 2
+    assert whole.passes == 1 + linears * 3 + 2
+    assert split.passes <= 2 * whole.passes
+    assert split.per_matmul and not whole.per_matmul
+
+
+def test_the_search_mixes_formats_per_matmul_and_the_policy_runs_them(advice: Any) -> None:
+    mixes = [m for m in advice.modules if "/" in m.choice]
+    assert advice.met and advice.predicted_sqnr >= 24.0
+    assert mixes, advice.table()  # the target is between the recipes' figures
+    for m in mixes:
+        assert m.chosen is not None and m.chosen.matmuls is not None
+        assert m.measurement(m.choice) is m.chosen
+        rule = mixprec.Rule(m.choice)
+        assert rule.matmuls is not None and len(set(rule.matmuls)) > 1
+    model = _model()
+    torch.manual_seed(5)
+    measured = mixprec.advise(
+        model, _batch(), loss_fn, candidates=CANDIDATES, min_sqnr=24.0, check=True
+    )
+    assert measured.policy == advice.policy
+    assert measured.measured_sqnr == pytest.approx(measured.predicted_sqnr, abs=1.0)
+
+
+def test_the_table_says_which_matmul_carries_the_error(advice: Any) -> None:
+    text = advice.table()
+    assert "per matmul: the whole-model gradient SQNR" in text
+    section = text.split("per matmul: the whole-model")[1]
+    for m in advice.modules:
+        line = next(x for x in section.splitlines() if x.startswith(m.name + " "))
+        assert line.count("*") == 2  # the worst matmul of each recipe measured per matmul
+    data = advice.to_dict()
+    assert data["per_matmul"] is True
+    row = data["modules"][0]
+    assert len(row["measurements"][0]["matmuls"]) == 3 and row["gemms"]["calls"]
+
+
+def test_per_matmul_false_measures_each_module_whole(advice: Any) -> None:
+    whole = mixprec.advise(
+        _model(), _batch(), loss_fn, candidates=CANDIDATES, min_sqnr=24.0, per_matmul=False
+    )
+    assert all(x.matmuls is None for m in whole.modules for x in m.measurements)
+    assert all("/" not in m.choice for m in whole.modules)
+    assert "per matmul:" not in whole.table()
+
+
+def test_the_sqnr_objective_is_the_most_precise_policy_at_the_speedup() -> None:
+    model, batch = _model(), (torch.randn(4096, 64), torch.randn(4096, 32))
+    common: dict[str, Any] = dict(candidates=CANDIDATES, gpu="b200")
+    fast = mixprec.advise(model, batch, loss_fn, objective="speed", min_sqnr=15.0, **common)
+    assert fast.step is not None
+    target = fast.step.speedup
+    best = mixprec.advise(model, batch, loss_fn, objective="sqnr", min_speedup=target, **common)
+    assert best.step is not None and best.met
+    assert best.step.speedup >= target * (1 - 1e-9)
+    assert best.predicted_sqnr >= fast.predicted_sqnr - 1e-9
+    assert "at least" in best.table() and best.min_speedup == target
+    slow = mixprec.advise(model, batch, loss_fn, objective="sqnr", min_speedup=100.0, **common)
+    assert not slow.met
+    assert any("speed target is out of reach" in n for n in slow.notes)
+
+
+@pytest.mark.parametrize(
+    ("kwargs", "match"),
+    [
+        (dict(objective="sqnr", gpu="b200"), "needs min_speedup"),
+        (dict(objective="sqnr", min_speedup=1.5), "needs a GPU"),
+        (dict(objective="speed", gpu="b200", min_speedup=1.5), 'goes with objective="sqnr"'),
+        (dict(objective="sqnr", gpu="b200", min_speedup=0), "above 0"),
+        (dict(per_matmul="yes"), "per_matmul must be True or False"),
+    ],
+)
+def test_bad_arguments(kwargs: dict[str, Any], match: str) -> None:
+    with pytest.raises(ConfigError, match=match):
+        mixprec.advise(_model(), _batch(), loss_fn, candidates=CANDIDATES, **kwargs)
+
+
+def test_the_watch_measures_a_module_whose_matmuls_are_mixed(advice: Any) -> None:
+    model = _model()
+    watch = mixprec.Watch(model, loss_fn, advice, every=1, sample=3)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # the loop here trains under no policy at all
+        report = watch.step(_batch())
+    assert report is not None
+    measured = {r.name: r.candidate for r in report.records}
+    mixed = {m.name: m.choice for m in advice.modules if "/" in m.choice}
+    assert mixed and all(measured[n] == c for n, c in mixed.items())
