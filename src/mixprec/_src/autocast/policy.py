@@ -255,11 +255,12 @@ class Policy:
 
         Host sync: none.
         """
-        modules = {
+        modules: dict[object, RuleLike] = {
             key: rule.with_matmuls(fprop, dgrad, wgrad) if rule.fp8_family else rule
             for key, rule in self.modules.items()
         }
-        return Policy(modules=modules, ops=dict(self.ops), strict=self.strict)
+        ops: dict[object, RuleLike] = dict(self.ops)
+        return Policy(modules=modules, ops=ops, strict=self.strict)
 
     def resolve(self, model: nn.Module) -> dict[str, Rule]:
         """Resolve the module rules over ``model.named_modules()`` (the static view).
