@@ -259,7 +259,7 @@ class Policy:
             key: rule.with_matmuls(fprop, dgrad, wgrad) if rule.fp8_family else rule
             for key, rule in self.modules.items()
         }
-        ops: dict[object, RuleLike] = dict(self.ops)
+        ops: dict[object, RuleLike] = {label: rule for label, rule in self.ops.items()}
         return Policy(modules=modules, ops=ops, strict=self.strict)
 
     def resolve(self, model: nn.Module) -> dict[str, Rule]:
