@@ -288,3 +288,20 @@ def test_checkpointed_blocks_of_a_compiled_model(policy: str) -> None:
     compiled = torch.compile(model, backend="aot_eager")
     x = torch.randn(4, 8)
     assert_bitwise(run(compiled, x, policy), run(twin, x, policy), policy)
+
+
+@pytest.mark.parametrize("policy", ["nn.Linear=fp8", "0=nvfp4", "nn.Linear=bf16/mxfp8/nvfp4"])
+def test_an_fp8_policy_compiles_once_over_many_regions(policy: str) -> None:
+    """A region per step (as a training loop has it): one graph, not one per region (the
+    compiled forward must not guard on what an earlier region recorded)."""
+    torch._dynamo.reset()
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(32, 32), nn.GELU(), nn.Linear(32, 32))
+    compiled = torch.compile(model, backend="aot_eager")
+    x = torch.randn(64, 32)
+    with graphs() as found:
+        for _ in range(4):
+            with mixprec.autocast("cpu", BF16, policy=policy):
+                y = compiled(x)
+            y.float().sum().backward()
+    assert found["graphs"] == 1

@@ -146,7 +146,9 @@ def _close(call: Call, frame: Frame | None, output: Any, failed: bool) -> Any:
         parent = tls.calls[-1].scope if tls.calls else None
         if parent is not None:
             parent.served += scope.served  # an owner serves what its children served
-        if scope.served and frame is not None:
+        # (while Dynamo traces, compiled_rule counted it at trace time: a write here would be
+        # traced, and guarded on, as the length of this region's set: a recompile per region)
+        if scope.served and frame is not None and not torch.compiler.is_compiling():
             frame.served.add(call.source)
         if scope.guarded and not scope.served and not failed:
             _raise(fp8_hook.served_nothing(scope, call.kind))
