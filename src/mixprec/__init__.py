@@ -20,6 +20,7 @@ from mixprec._src.autocast.fp8 import matmul_path
 from mixprec._src.autocast.policy import Policy, policy_table
 from mixprec._src.autocast.region import autocast
 from mixprec._src.autocast.rules import Rule
+from mixprec._src.autocast.schedule import Schedule
 from mixprec._src.dist.norms import distributed_clip_grad_norm_
 from mixprec._src.fp8.stats import Fp8Stats
 from mixprec._src.kernels.flat import flatten_grads
@@ -39,6 +40,7 @@ __all__ = [
     "Policy",
     "Rule",
     "ScalerConfig",
+    "Schedule",
     "Watch",
     "__version__",
     "advise",

@@ -15,8 +15,8 @@ from mixprec._src.advisor.report.advice import (
     ModuleAdvice,
     StepTime,
 )
+from mixprec._src.advisor.report.watch import WatchRecord, WatchReport
 from mixprec._src.advisor.speed.model import Time
-from mixprec._src.advisor.watch import WatchRecord, WatchReport
 from mixprec._src.anomaly import NonFiniteFinder, NonFiniteReport
 from mixprec._src.autocast.policy import PolicyTable, PolicyTableRow
 from mixprec._src.autocast.report import DtypeReport, ReportRow

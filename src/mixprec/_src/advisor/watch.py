@@ -26,11 +26,12 @@ advice's figures with each module's loss of margin); ``hook`` sees every check (
 
 from __future__ import annotations
 
+import logging
 import math
 import warnings
 import weakref
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass
+from dataclasses import replace
 from typing import Any
 
 import torch
@@ -44,83 +45,32 @@ from mixprec._src.advisor.arguments import (
     region_dtype,
 )
 from mixprec._src.advisor.choose.options import PerMatmul, module_choice
-from mixprec._src.advisor.choose.policy import build_policy
+from mixprec._src.advisor.choose.policy import build_policy, forward_high, rule_in_force
 from mixprec._src.advisor.choose.search import Target, search
 from mixprec._src.advisor.measure.guard import Guard
 from mixprec._src.advisor.measure.metrics import db_to_ratio, ratio_to_db
 from mixprec._src.advisor.measure.passes import Engine, Job, Subject, in_pass, isolated
 from mixprec._src.advisor.report.advice import Advice, Measurement, ModuleAdvice
+from mixprec._src.advisor.report.watch import (
+    WatchRecord,
+    WatchReport,
+    clipped,
+    flushed,
+    message,
+    record,
+)
 from mixprec._src.advisor.speed.gpus import get_gpu
 from mixprec._src.advisor.speed.model import BF16, Operands, predict, time_budget
 from mixprec._src.autocast.calls import region_policy
 from mixprec._src.autocast.policy import Policy
 from mixprec._src.autocast.rules import format_dtype
+from mixprec._src.autocast.schedule import Schedule
 from mixprec.errors import ConfigError, MixprecWarning
+
+_LOG = logging.getLogger("mixprec")
 
 #: A rise of a saturated or flushed fraction counts only above this (one value in a thousand).
 FRACTION_FLOOR = 1e-3
-
-
-@dataclass(frozen=True)
-class WatchRecord:
-    """One module measured at one check.
-
-    Attributes:
-        step: the training step (the count of :meth:`Watch.step` calls).
-        name: the module's qualified name.
-        candidate: the precision it was measured in (its choice in the policy).
-        model_grad_sqnr: the whole-model gradient SQNR with only this module in ``candidate``
-            (dB; higher is better), as the advisor measures it.
-        reference_sqnr: the same with the module in the region's 16-bit dtype instead, when
-            this check measured it (None: not measured, or ``candidate`` is itself 16-bit).
-        output_sqnr: the SQNR of the module's own output in ``candidate`` (dB).
-        saturated: fp8: the largest fraction of values at the format's maximum over the
-            module's operands; None for 16-bit.
-        flushed: fp8: the largest fraction of non-zero values flushed to 0; None for 16-bit.
-        clipped: fp8: the largest fraction of an operand's blocks whose scale hit the top of
-            its format, so that their values clip; None for 16-bit.
-    """
-
-    step: int
-    name: str
-    candidate: str
-    model_grad_sqnr: float
-    reference_sqnr: float | None
-    output_sqnr: float
-    saturated: float | None
-    flushed: float | None
-    clipped: float | None = None
-
-    @property
-    def margin(self) -> float | None:
-        """How far ``candidate`` is below 16-bit at this step (dB), None when not measured.
-
-        Host sync: none.
-        """
-        if self.reference_sqnr is None:
-            return None
-        return self.reference_sqnr - self.model_grad_sqnr
-
-
-@dataclass(frozen=True)
-class WatchReport:
-    """What one check measured and concluded.
-
-    Attributes:
-        step: the training step of the check.
-        records: one per module measured at this check.
-        predicted_sqnr: the advice's prediction with each module's figure lowered by the
-            margin it lost since the watch first measured it.
-        alerts: why the policy looks stale, one sentence per module (empty: all is well).
-        policy: with alerts, the proposal the latest figures give (the advisor's search);
-            None when nothing changes.
-    """
-
-    step: int
-    records: tuple[WatchRecord, ...]
-    predicted_sqnr: float
-    alerts: tuple[str, ...]
-    policy: Policy | None
 
 
 class Watch:
@@ -139,6 +89,12 @@ class Watch:
         rise: how many times its fraction in the advice an fp8 module's saturated or flushed
             fraction may reach (plus 0.1%) before an alert.
         hook: called with every :class:`WatchReport`.
+        schedule: the :class:`~mixprec.Schedule` the loop trains with (``schedule.at(step)``):
+            the watch measures each module's rule in force at the check's step instead of the
+            advice's choice, and expects the loop to train its policies.
+        apply: apply a proposed switch (:attr:`WatchReport.switch`) to ``schedule`` from the
+            next step on, in the current phase and every later one, and log what changed (the
+            ``"mixprec"`` logger, and the alert's warning).
 
     Raises:
         ConfigError: a bad argument, or an advice whose modules the model does not have.
@@ -170,8 +126,12 @@ class Watch:
         tolerance: float = 6.0,
         rise: float = 2.0,
         hook: Callable[[WatchReport], object] | None = None,
+        schedule: Schedule | None = None,
+        apply: bool = False,
     ) -> None:
         _check(model, loss_fn, advice, (every, sample), (tolerance, rise), hook)
+        _check_schedule(schedule, apply)
+        self.schedule, self.apply = schedule, apply
         self.model, self.loss_fn, self.advice = model, loss_fn, advice
         self.every, self.sample = every, sample
         self.tolerance, self.rise, self.hook = tolerance, rise, hook
@@ -184,6 +144,7 @@ class Watch:
         self._level: dict[str, float] = {}  # the SQNR when the margin was last measured
         self._lost: dict[str, float] = {}  # dB of margin lost since the first
         self._flagged: set[str] = set()
+        self._lost_ground: set[str] = set()  # modules whose last margin alert stands
         self._records: list[WatchRecord] = []
         self._steps = 0
         self._turn = 0
@@ -215,9 +176,11 @@ class Watch:
         if self._batch is None:
             raise ConfigError("Watch.step() has no batch to check on: pass the step's batch")
         report = self._check(self._batch)
+        if report.switch is not None and self.apply:
+            report = replace(report, applied=tuple(self._apply(report.records)))
         self.last = report
         if report.alerts:
-            warnings.warn(_message(report), MixprecWarning, stacklevel=2)
+            warnings.warn(message(report), MixprecWarning, stacklevel=2)
         if self.hook is not None:
             self.hook(report)
         return report
@@ -242,13 +205,48 @@ class Watch:
         records = self._measure(rows, batch)
         alerts = []
         for rec in records:
+            self._lost_ground.discard(rec.name)
             problem = self._problem(rec, _row(self.advice, rec.name))
             (self._flagged.add if problem else self._flagged.discard)(rec.name)
             if problem:
                 alerts.append(problem)
         self._records += records
         policy = self._proposal() if alerts else None
-        return WatchReport(self._steps, tuple(records), self._predicted(), tuple(alerts), policy)
+        switch, _ = self._switched(self._in_force(), records)
+        predicted = self._predicted()
+        return WatchReport(self._steps, tuple(records), predicted, tuple(alerts), policy, switch)
+
+    def _in_force(self) -> Policy | None:
+        """The policy the loop trains at the check's step (the advice's without a schedule)."""
+        if self.schedule is None:
+            return self.advice.policy
+        return self.schedule.at(max(self._steps - 1, 0))
+
+    def _switched(
+        self, policy: Policy | None, records: Sequence[WatchRecord]
+    ) -> tuple[Policy | None, list[str]]:
+        """``policy`` with the fprop of each module that lost ground against 16-bit in 16-bit,
+        and what changed; (None, []) when nothing would."""
+        lost = [r.name for r in records if r.name in self._lost_ground]
+        if policy is None or not lost:
+            return None, []
+        high = format_dtype(self.advice.dtype)
+        switched, changes = forward_high(policy, self.model, lost, high)
+        return (switched, changes) if changes else (None, [])
+
+    def _apply(self, records: Sequence[WatchRecord]) -> list[str]:
+        """The switch, from the next step on, in the phase in force and every later one."""
+        assert self.schedule is not None
+        start, applied = self._steps, []
+        later = [(s, p) for s, p in self.schedule.phases if s > start]
+        for first, policy in [(start, self._in_force()), *later]:
+            switched, changes = self._switched(policy, records)
+            if switched is not None:
+                self.schedule.switch(first, switched)
+                applied += [f"{c} from step {first}" for c in changes]
+        for line in applied:
+            _LOG.warning("mixprec.Watch applied: %s", line)
+        return applied
 
     def _measure(self, rows: Sequence[ModuleAdvice], batch: Any) -> list[WatchRecord]:
         advice, model = self.advice, self.model
@@ -269,11 +267,25 @@ class Watch:
             engine.scale = advice.init_scale or 1.0
             found = []
             for s, r in zip(subjects, rows, strict=True):
-                cand = Candidate.of(r.choice)
+                cand = self._candidate(r)
+                if cand is None:
+                    continue  # the schedule runs it in no low precision now: nothing to watch
                 got = isolated(engine, s, cand)
                 ref = isolated(engine, s, high) if self._needs_reference(r, cand, got) else None
-                found.append(_record(self._steps, r, got, ref))
+                found.append(record(self._steps, r, got, ref))
         return found
+
+    def _candidate(self, row: ModuleAdvice) -> Candidate | None:
+        """What the module runs in at this check: the advice's choice, or with a schedule the
+        rule in force (None: not a low precision)."""
+        if self.schedule is None:
+            return Candidate.of(row.choice)
+        policy = self._in_force()
+        rule = None if policy is None else rule_in_force(policy, self.model, row.name)
+        try:
+            return None if rule is None else Candidate.of(str(rule).partition("@")[0])
+        except ConfigError:
+            return None
 
     def _current(self, name: str) -> nn.Module:
         """The watched module ``name``, still the one the advice measured."""
@@ -288,8 +300,9 @@ class Watch:
 
     def _notice_other_policy(self) -> None:
         """Warn once per policy the loop trains other than the advice's."""
+        planned = [] if self.schedule is None else [p for _, p in self.schedule.phases]
         for policy in self._trained.take():
-            if policy == self.advice.policy or policy in self._warned:
+            if policy == self.advice.policy or policy in planned or policy in self._warned:
                 continue
             self._warned.add(policy)
             what = "outside any mixprec.autocast policy" if policy is None else f"{str(policy)!r}"
@@ -319,14 +332,15 @@ class Watch:
             self._level[rec.name] = rec.model_grad_sqnr
             self._lost[rec.name] = max(0.0, margin - first)
             if margin - first > self.tolerance:
+                self._lost_ground.add(rec.name)
                 return (
                     f"{rec.name} ({rec.candidate}) is {margin:.1f} dB below bf16 at this step, "
                     f"{first:.1f} dB when first measured"
                 )
         before = row.measurement(rec.candidate)
         for what, now, was in (
-            ("clips", rec.clipped, _clipped(before)),
-            ("flushes to 0", rec.flushed, _flushed(before)),
+            ("clips", rec.clipped, clipped(before)),
+            ("flushes to 0", rec.flushed, flushed(before)),
         ):
             if now is not None and was is not None and now > self.rise * was + FRACTION_FLOOR:
                 return (
@@ -473,51 +487,19 @@ def _check(
         raise ConfigError(f"the advice names modules the model does not have: {missing[:5]}")
 
 
+def _check_schedule(schedule: object, apply: object) -> None:
+    if schedule is not None and not isinstance(schedule, Schedule):
+        raise ConfigError(
+            f"schedule must be a mixprec.Schedule or None, got {type(schedule).__name__}"
+        )
+    if not isinstance(apply, bool):
+        raise ConfigError(f"apply must be True or False, got {apply!r}")
+    if apply and schedule is None:
+        raise ConfigError(
+            "apply=True needs schedule=: the mixprec.Schedule the loop takes its policy from "
+            "(schedule.at(step)), to which the watch applies a switch"
+        )
+
+
 def _row(advice: Advice, name: str) -> ModuleAdvice:
     return next(m for m in advice.modules if m.name == name)
-
-
-def _saturation(m: Measurement | None) -> float | None:
-    if m is None or m.fp8 is None:
-        return None
-    return max(m.fp8.input.saturated, m.fp8.weight.saturated, m.fp8.grad_output.saturated)
-
-
-def _clipped(m: Measurement | None) -> float | None:
-    if m is None or m.fp8 is None:
-        return None
-    fp8 = m.fp8
-    return max(
-        fp8.input.block_saturated, fp8.weight.block_saturated, fp8.grad_output.block_saturated
-    )
-
-
-def _flushed(m: Measurement | None) -> float | None:
-    if m is None or m.fp8 is None:
-        return None
-    return max(m.fp8.input.flushed, m.fp8.weight.flushed, m.fp8.grad_output.flushed)
-
-
-def _record(step: int, row: ModuleAdvice, m: Measurement, ref: Measurement | None) -> WatchRecord:
-    return WatchRecord(
-        step,
-        row.name,
-        row.choice,
-        m.model_grad_sqnr,
-        None if ref is None else ref.model_grad_sqnr,
-        m.output_sqnr,
-        _saturation(m),
-        _flushed(m),
-        _clipped(m),
-    )
-
-
-def _db(db: float) -> str:
-    return "inf/NaN" if db == -math.inf else f"{db:.1f} dB"
-
-
-def _message(report: WatchReport) -> str:
-    text = f"mixprec.Watch at step {report.step}: " + "; ".join(report.alerts)
-    if report.policy is not None:
-        text += f". The latest figures propose: {report.policy}"
-    return text

@@ -1,4 +1,5 @@
-"""The policy that says what the search chose: class rules with exceptions, or name rules."""
+"""The policy that says what the search chose: class rules with exceptions, or name rules; and a
+policy with some modules' forward matmuls moved to 16-bit (what the watch proposes)."""
 
 from __future__ import annotations
 
@@ -7,6 +8,8 @@ from collections.abc import Sequence
 from torch import nn
 
 from mixprec._src.autocast.policy import Policy
+from mixprec._src.autocast.rules import Rule, RuleLike
+from mixprec._src.fp8.recipes import HIGH
 from mixprec.errors import ConfigError
 
 
@@ -69,3 +72,39 @@ def _round_tripped(rules: dict[object, str]) -> Policy:
             "rename the module, or leave it out with modules=[...]"
         )
     return policy
+
+
+def rule_in_force(policy: Policy, model: nn.Module, name: str) -> Rule | None:
+    """The rule ``policy`` gives module ``name`` of ``model``: its own, else its nearest
+    container's (a container's rule reaches its subtree)."""
+    named = dict(model.named_modules())
+    parts = name.split(".") if name else []
+    for depth in range(len(parts), -1, -1):
+        qual = ".".join(parts[:depth])
+        rule = policy.module_rule(named[qual], qual)
+        if rule is not None:
+            return rule
+    return None
+
+
+def forward_high(
+    policy: Policy, model: nn.Module, names: Sequence[str], high: str
+) -> tuple[Policy, list[str]]:
+    """``policy`` with the fprop matmul of each module in ``names`` that runs a low-precision
+    recipe there moved to ``high`` (an exact name rule each, tried first), and what changed
+    (``"name: old -> new"``)."""
+    extra: dict[object, Rule] = {}
+    changes = []
+    for name in names:
+        rule = rule_in_force(policy, model, name)
+        if rule is None or rule.matmuls is None or rule.matmuls[0] in HIGH:
+            continue
+        new = rule.with_matmuls(fprop=high)
+        extra[_exact(name)] = new
+        changes.append(f"{name}: {rule} -> {new}")
+    if not extra:
+        return policy, []
+    modules: dict[object, RuleLike] = {**extra}
+    modules.update({k: v for k, v in policy.modules.items() if k not in extra})
+    ops: dict[object, RuleLike] = {label: rule for label, rule in policy.ops.items()}
+    return Policy(modules=modules, ops=ops, strict=policy.strict), changes
