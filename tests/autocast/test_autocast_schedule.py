@@ -90,7 +90,7 @@ def test_state_round_trips_through_state_dict_pickle_and_deepcopy() -> None:
     assert back == s and back.at(8).strict is False
     assert pickle.loads(pickle.dumps(s)) == s
     assert copy.deepcopy(s) == s and copy.deepcopy(s) is not s
-    with pytest.raises(ConfigError, match="not a Schedule.state_dict"):
+    with pytest.raises(ConfigError, match=r"not a Schedule\.state_dict"):
         back.load_state_dict({"phases": 3})
     assert "5: 'nn.Linear=bf16/nvfp4/nvfp4'" in repr(s)
 
