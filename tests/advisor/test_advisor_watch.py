@@ -157,3 +157,67 @@ def test_tensorboard_scalars(advice: Any) -> None:
     assert {"mixprec/watch/predicted_sqnr", "mixprec/watch/alerts"} <= tags
     assert {"mixprec/watch/0/sqnr", "mixprec/watch/0/margin", "mixprec/watch/0/flushed"} <= tags
     assert {step for _, _, step in writer.scalars} == {2}
+
+
+# --- a phase switch ---------------------------------------------------------------------------
+
+
+def _train_step(model: nn.Module, policy: Any, batch: Any) -> None:
+    with mixprec.autocast("cpu", torch.bfloat16, policy=policy):
+        loss = loss_fn(model, batch)
+    loss.backward()
+    model.zero_grad()
+
+
+def test_a_module_that_loses_ground_gets_its_forward_switched_to_16_bit(
+    advice: Any, caplog: pytest.LogCaptureFixture
+) -> None:
+    """With a schedule and apply=True, the switch goes into the schedule from the next step on
+    (the steps before keep their policy), is logged and said in the warning; the next check
+    measures the modules as the schedule now runs them, and the loop training the schedule's
+    policies is not warned about."""
+    from mixprec._src.advisor.choose.policy import rule_in_force
+
+    model = _model()
+    schedule = mixprec.Schedule({0: advice.policy, 50: advice.policy})
+    watch = mixprec.Watch(model, loss_fn, advice, every=1, sample=3, schedule=schedule, apply=True)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        _train_step(model, schedule.at(0), _batch(1.0))
+        assert not watch.step(_batch(1.0)).alerts
+    applied = pytest.warns(MixprecWarning, match=r"Applied to the schedule: .*bf16/")
+    with applied, caplog.at_level("WARNING", logger="mixprec"):
+        report = watch.step(_batch(1e6))
+    assert report is not None and report.switch is not None and report.applied
+    assert any("mixprec.Watch applied" in r.message for r in caplog.records)
+    assert schedule.at(1) is advice.policy  # before the switch: as it was
+    for start in (2, 50):  # the phase in force and the later one
+        switched = schedule.at(start)
+        for rec in report.records:
+            rule = rule_in_force(switched, model, rec.name)
+            assert rule is not None and rule.matmuls is not None and rule.matmuls[0] == "bf16"
+            before = rule_in_force(advice.policy, model, rec.name)
+            assert before is not None and rule.matmuls[1:] == before.matmuls[1:]
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", MixprecWarning)  # the alerts stand: the batch is bad
+        _train_step(model, schedule.at(2), _batch(1.0))
+        later = watch.step(_batch(1e6))
+    assert later is not None
+    assert all(r.candidate.startswith("bf16/") for r in later.records)
+    trained = [w for w in watch._warned if w is not None]
+    assert not trained  # the schedule's policies are what the loop is meant to train
+
+
+def test_without_apply_the_switch_is_only_proposed(advice: Any) -> None:
+    model = _model()
+    schedule = mixprec.Schedule(advice.policy)
+    watch = mixprec.Watch(model, loss_fn, advice, every=1, sample=3, schedule=schedule)
+    watch.step(_batch(1.0))
+    with pytest.warns(MixprecWarning, match="A phase switch would run their forward in 16-bit"):
+        report = watch.step(_batch(1e6))
+    assert report is not None and report.switch is not None and not report.applied
+    assert schedule.phases == ((0, advice.policy),)
+    with pytest.raises(ConfigError, match="apply=True needs schedule="):
+        mixprec.Watch(model, loss_fn, advice, apply=True)
+    with pytest.raises(ConfigError, match=r"schedule must be a mixprec\.Schedule"):
+        mixprec.Watch(model, loss_fn, advice, schedule="nn.Linear=fp8")  # type: ignore[arg-type]

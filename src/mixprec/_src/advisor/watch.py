@@ -22,6 +22,12 @@ SQNR dominated by the outliers themselves moves. An alert is a
 :class:`~mixprec.errors.MixprecWarning` naming the module and the updated proposal (the
 advice's figures with each module's loss of margin); ``hook`` sees every check (TensorBoard:
 ``TensorBoardHook.record_watch``).
+
+A module that loses ground against 16-bit also gets a phase switch proposed: the policy in force
+with its fprop matmul in the region's 16-bit dtype (late in training the forward is where low
+precision costs most: arXiv 2509.25149, Appendix D). Given the :class:`~mixprec.Schedule` the
+loop trains with, the watch measures each module's rule in force and, with ``apply=True``,
+applies the switch from the next step on and logs what changed.
 """
 
 from __future__ import annotations

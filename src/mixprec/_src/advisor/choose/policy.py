@@ -107,4 +107,23 @@ def forward_high(
     modules: dict[object, RuleLike] = {**extra}
     modules.update({k: v for k, v in policy.modules.items() if k not in extra})
     ops: dict[object, RuleLike] = {label: rule for label, rule in policy.ops.items()}
-    return Policy(modules=modules, ops=ops, strict=policy.strict), changes
+    switched = Policy(modules=modules, ops=ops, strict=policy.strict)
+    idle = _idle_classes(switched, model)  # every member now has a name rule of its own
+    if idle:
+        kept = {k: v for k, v in modules.items() if k not in idle}
+        switched = Policy(modules=kept, ops=ops, strict=policy.strict)
+    return switched, changes
+
+
+def _idle_classes(policy: Policy, model: nn.Module) -> set[type[nn.Module]]:
+    """The class rules of ``policy`` that were in force somewhere in ``model`` and no module
+    takes any more."""
+    taken = set()
+    for name, module in model.named_modules():
+        found = policy.rule_source(module, name)
+        if found is not None:
+            taken.add(found[0])
+    present = {
+        cls for cls in policy.class_rules if any(isinstance(m, cls) for m in model.modules())
+    }
+    return present - taken
