@@ -175,6 +175,8 @@ def test_a_file_whose_import_fails_is_one_line(tmp_path: Path) -> None:
         (["--plot", "out"], "a file without a suffix"),
         (["--gpu", "a100"], "'a100' is not a GPU the speed model knows"),
         (["--objective", "speed"], "--objective speed needs --gpu"),
+        (["--objective", "sqnr", "--gpu", "b200"], "--objective sqnr and --min-speedup X go"),
+        (["--min-speedup", "1.5"], "--objective sqnr and --min-speedup X go"),
     ],
 )
 def test_bad_options_are_refused_before_any_pass(
@@ -194,3 +196,17 @@ def test_gpu_and_speed_objective_from_the_command_line() -> None:
     doc = json.loads(out)
     assert doc["gpu"] == "h100" and doc["objective"] == "speed"
     assert doc["step"]["gpu"] == "H100 SXM" and doc["step"]["speedup"] > 0
+
+
+def test_per_matmul_and_the_sqnr_objective_from_the_command_line() -> None:
+    argv = ["advise", FACTORY, "--candidates", "fp8,bf16", "--gpu", "b200", "--no-progress"]
+    code, out, err = _run([*argv, "--objective", "sqnr", "--min-speedup", "1.0", "--json"])
+    assert code == 0, err
+    doc = json.loads(out)
+    assert doc["per_matmul"] is True and doc["target"]["min_speedup"] == 1.0
+    assert doc["objective"] == "sqnr" and doc["step"]["speedup"] >= 1.0
+    code, out, err = _run([*argv, "--whole-modules", "--json"])
+    assert code == 0, err
+    doc = json.loads(out)
+    assert doc["per_matmul"] is False
+    assert all(x["matmuls"] is None for m in doc["modules"] for x in m["measurements"])

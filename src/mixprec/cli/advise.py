@@ -70,9 +70,23 @@ def _speed_arguments(p: argparse.ArgumentParser) -> None:
     )
     p.add_argument(
         "--objective",
-        choices=["fewest_kept", "speed"],
+        choices=["fewest_kept", "speed", "sqnr"],
         default="fewest_kept",
-        help="once --min-sqnr is met: keep the fewest modules, or the fastest policy on --gpu",
+        help="once --min-sqnr is met: keep the fewest modules, or the fastest policy on --gpu; "
+        "sqnr: the most precise policy at least --min-speedup times faster than bf16 on --gpu",
+    )
+    p.add_argument(
+        "--min-speedup",
+        type=float,
+        metavar="X",
+        help="with --objective sqnr: the least predicted speedup against bf16 (e.g. 1.5)",
+    )
+    p.add_argument(
+        "--whole-modules",
+        dest="per_matmul",
+        action="store_false",
+        help="measure each module whole (one pass per recipe) and give its three matmuls one "
+        "choice (default: each recipe measured per matmul, fprop, dgrad and wgrad chosen apart)",
     )
 
 
@@ -106,8 +120,10 @@ def _check(args: argparse.Namespace) -> str | None:
         return f"--keep-at-most {args.keep_at_most}: use 0 or more"
     if args.threads is not None and args.threads < 1:
         return f"--threads {args.threads}: use 1 or more"
-    if args.objective == "speed" and args.gpu is None:
-        return "--objective speed needs --gpu (e.g. --gpu h100)"
+    if args.objective in ("speed", "sqnr") and args.gpu is None:
+        return f"--objective {args.objective} needs --gpu (e.g. --gpu h100)"
+    if (args.objective == "sqnr") != (args.min_speedup is not None):
+        return "--objective sqnr and --min-speedup X go together"
     if args.plot is not None:
         problem = folder_problem(args.plot.parent) or plot_format_problem(args.plot)
         if problem is not None:
@@ -247,6 +263,8 @@ def run(args: argparse.Namespace) -> int:
         progress=progress,
         gpu=args.gpu,
         objective=args.objective,
+        per_matmul=args.per_matmul,
+        min_speedup=args.min_speedup,
     )
     emit(advice.to_json() if args.json else advice.table())
     if args.plot is not None:
@@ -293,6 +311,8 @@ COMMAND = Command(
         f"mixprec advise {_EXAMPLE} --candidates fp8 --min-sqnr 30 --keep-at-most 2 --check",
         f"mixprec advise {_EXAMPLE} --candidates fp8,fp8:rowwise --min-sqnr 30 --json",
         f"mixprec advise {_EXAMPLE} --candidates fp8 --min-sqnr 30 --gpu h100 --objective speed",
+        f"mixprec advise {_EXAMPLE} --candidates nvfp4,mxfp8,bf16 --gpu b200 --objective sqnr "
+        "--min-speedup 1.5",
         "mixprec advise mypkg.models:make_model --candidates fp16 --check --plot advice.png",
     ),
     add_arguments=_add_arguments,
