@@ -105,22 +105,35 @@ def lr_at(step: int, args: argparse.Namespace) -> float:
     return args.lr * (0.1 + 0.9 * 0.5 * (1 + math.cos(math.pi * progress)))
 
 
+def held_out(model: torch.nn.Module, val: list[Any]) -> float:
+    """The mean loss on the validation batches, in float32."""
+    with torch.no_grad():
+        return statistics.fmean(float(loss_fn(model, b)) for b in val)
+
+
 def train(
-    policy: str | mixprec.Policy | None,
+    policy: str | mixprec.Policy | mixprec.Schedule | None,
     seed: int,
     args: argparse.Namespace,
     data: list[Any],
     val: list[Any],
+    losses: list[float] | None = None,
+    at: dict[int, float] | None = None,
 ) -> tuple[float, float]:
-    """(held-out loss in float32 after the last step, mean training loss of the last 10%)."""
+    """(held-out loss in float32 after the last step, mean training loss of the last 10%);
+    a :class:`mixprec.Schedule` gives each step its policy. ``losses`` receives every step's
+    training loss, ``at`` the held-out loss before each step it names."""
     model = make_model(args, seed)
     opt = torch.optim.AdamW(model.parameters(), lr=args.lr, weight_decay=0.1, betas=(0.9, 0.95))
     torch.manual_seed(seed)  # the stochastic rounding of nvfp4's gradients draws from it
-    losses = []
+    losses = [] if losses is None else losses
     for step, batch in enumerate(data):
+        if at is not None and step in at:
+            at[step] = held_out(model, val)
         for group in opt.param_groups:
             group["lr"] = lr_at(step, args)
-        with mixprec.autocast("cpu", torch.bfloat16, policy=policy):
+        now = policy.at(step) if isinstance(policy, mixprec.Schedule) else policy
+        with mixprec.autocast("cpu", torch.bfloat16, policy=now):
             loss = loss_fn(model, batch)
         loss.backward()
         torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
@@ -130,9 +143,7 @@ def train(
         if not math.isfinite(losses[-1]):
             return math.nan, math.nan
     tail = losses[-max(1, len(losses) // 10) :]
-    with torch.no_grad():
-        held = statistics.fmean(float(loss_fn(model, b)) for b in val)
-    return held, statistics.fmean(tail)
+    return held_out(model, val), statistics.fmean(tail)
 
 
 def advise(args: argparse.Namespace, seed: int, first: Any) -> mixprec.types.Advice:
@@ -149,7 +160,13 @@ def advise(args: argparse.Namespace, seed: int, first: Any) -> mixprec.types.Adv
             flush=True,
         )
     return mixprec.advise(
-        model, first, loss_fn, candidates=CANDIDATES, min_sqnr=min_sqnr, check=True
+        model,
+        first,
+        loss_fn,
+        candidates=CANDIDATES,
+        min_sqnr=min_sqnr,
+        check=True,
+        per_matmul=False,  # each module whole (benchmarks/fp8_per_matmul.py: per matmul)
     )
 
 
