@@ -7,6 +7,7 @@ a module replaced since the advice."""
 
 from __future__ import annotations
 
+import contextlib
 import itertools
 import math
 import warnings
@@ -151,6 +152,18 @@ def _json(advice: mixprec.types.Advice) -> str:
     return advice.to_json()
 
 
+def _state() -> tuple[object, ...]:
+    autocast = (torch.is_autocast_enabled("cpu"), torch.get_autocast_dtype("cpu"))
+    return (*autocast, torch.is_grad_enabled(), torch.is_inference_mode_enabled())
+
+
+def _nested() -> Any:
+    stack = contextlib.ExitStack()
+    stack.enter_context(torch.autocast("cpu", dtype=torch.bfloat16))
+    stack.enter_context(mixprec.autocast("cpu", dtype=torch.float16, policy="2=fp8:rowwise"))
+    return stack
+
+
 @pytest.mark.parametrize(
     "region",
     [
@@ -158,26 +171,30 @@ def _json(advice: mixprec.types.Advice) -> str:
         lambda: mixprec.autocast("cpu", dtype=torch.bfloat16),
         lambda: mixprec.autocast("cpu", dtype=torch.float16, policy="nn.Linear=fp8"),
         lambda: mixprec.autocast("cpu", dtype=torch.bfloat16, policy="0=fp32, nn.GELU=bf16"),
+        _nested,
+        torch.no_grad,
+        torch.inference_mode,
     ],
 )
 def test_advise_and_watch_inside_a_region_measure_what_they_measure_outside(region: Any) -> None:
+    """Inside a 16-bit region (torch's, mixprec's, nested) or a no-grad/inference context, the
+    passes measure what they measure outside: float32 reference, grad on."""
     kwargs = {"candidates": ["fp8", "bf16"], "min_sqnr": 25.0}
     outside = mixprec.advise(_net(), _batch(), mse, **kwargs)
+    model, batch = _net(), _batch()
     with region():
-        inside = mixprec.advise(_net(), _batch(), mse, **kwargs)
-        assert torch.get_autocast_dtype("cpu") in (torch.bfloat16, torch.float16)
+        before = _state()
+        inside = mixprec.advise(model, batch, mse, **kwargs)
+        assert _state() == before  # the caller's region is back in force
     assert _json(inside) == _json(outside)
     records = []
-    for where in (None, region):
-        model = _net()
+    for where in (contextlib.nullcontext, region):
+        model, batch = _net(), _batch()
         watch = mixprec.Watch(model, mse, outside, every=1, sample=2)
         with warnings.catch_warnings():
             warnings.simplefilter("ignore", MixprecWarning)
-            if where is None:
-                report = watch.step(_batch())
-            else:
-                with where():
-                    report = watch.step(_batch())
+            with where():
+                report = watch.step(batch)
         assert report is not None
         records.append(report.records)
     assert records[0] == records[1]
@@ -186,24 +203,48 @@ def test_advise_and_watch_inside_a_region_measure_what_they_measure_outside(regi
 # --- compiled models ----------------------------------------------------------------------
 
 
-def test_compiled_models_are_refused_before_any_pass() -> None:
+def test_compiled_wrappers_are_refused_before_any_pass() -> None:
+    """torch.compile's wrapper, around the model or one of its modules, names the modules under
+    ``_orig_mod``: refused, before any pass, by advise and by Watch."""
     calls: list[int] = []
 
     def counting(model: nn.Module, batch: Any) -> torch.Tensor:
         calls.append(1)
         return mse(model, batch)
 
-    whole = torch.compile(_net())
     inner = _net()
     inner[0] = torch.compile(inner[0])  # type: ignore[assignment]
-    for model, where in ((whole, "model is"), (inner, "model.0 is")):
-        for candidates in (["bf16"], ["fp8"]):
-            with pytest.raises(ConfigError, match=f"{where} a torch.compile'd module.*_orig_mod"):
-                mixprec.advise(model, _batch(), counting, candidates=candidates)
     advice = mixprec.advise(_net(), _batch(), mse, candidates=["fp8"])
-    with pytest.raises(ConfigError, match=r"torch\.compile'd module"):
-        mixprec.Watch(whole, counting, advice)
+    for model, where in ((torch.compile(_net()), "model is"), (inner, "model.0 is")):
+        message = f"{where} a torch.compile'd module.*_orig_mod"
+        for candidates in (["bf16"], ["fp8"]):
+            with pytest.raises(ConfigError, match=message):
+                mixprec.advise(model, _batch(), counting, candidates=candidates)
+        with pytest.raises(ConfigError, match=message):
+            mixprec.Watch(model, counting, advice)
     assert calls == []
+
+
+@pytest.mark.parametrize("where", ["model", "module"])
+@pytest.mark.parametrize("words", [["bf16"], ["fp16"], ["fp8", "bf16"], ["mxfp8"]])
+def test_a_model_compiled_in_place_is_measured_as_its_eager_self(
+    where: str, words: list[str]
+) -> None:
+    """Differential: Module.compile() keeps the modules and their names; advise and the watch's
+    checks (also when the model was compiled after the watch began) measure its eager forward:
+    the same figures as the model never compiled."""
+    eager = mixprec.advise(_net(64), _batch(64), mse, candidates=words, min_sqnr=20.0)
+    baseline = mixprec.Watch(_net(64), mse, eager, every=1, sample=2)
+    model = _net(64)
+    watch = mixprec.Watch(model, mse, eager, every=1, sample=2)
+    (model if where == "model" else model[2]).compile(backend="eager")
+    mse(model, _batch(64))  # compiled before the advisor runs
+    advice = mixprec.advise(model, _batch(64), mse, candidates=words, min_sqnr=20.0)
+    assert _json(advice) == _json(eager)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", MixprecWarning)
+        got, want = watch.step(_batch(64)), baseline.step(_batch(64))
+    assert got is not None and want is not None and got.records == want.records
 
 
 # --- the watch ----------------------------------------------------------------------------
