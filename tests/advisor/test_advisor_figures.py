@@ -298,6 +298,38 @@ def test_the_watch_warns_once_when_the_loop_trains_another_policy() -> None:
             assert expected in found[0]
 
 
+@pytest.mark.parametrize("how", ["wrapper", "in place", "fullgraph"])
+def test_the_watch_notices_the_policy_a_compiled_loop_trains(how: str) -> None:
+    """The same notice when the loop trains the model compiled (torch.compile's wrapper, a
+    model compiled in place, fullgraph=True: no graph break), once per other policy."""
+    advice = mixprec.advise(_net(), _batch(), mse, candidates=["fp8"], keep_at_most=1)
+    other = mixprec.Policy("nn.Linear=bf16")
+    for policies, expected in (
+        ([advice.policy] * 3, []),
+        ([advice.policy, other, advice.policy, other], ["'nn.Linear=bf16'"]),
+        ([None, None], ["outside any mixprec.autocast policy"]),
+    ):
+        torch.compiler.reset()  # the compile caches of the forms above: no recompile limit
+        model = _net()
+        watch = mixprec.Watch(model, mse, advice, every=1000)
+        if how == "in place":
+            model.compile(backend="aot_eager")
+        run = model if how == "in place" else torch.compile(model, backend="aot_eager")
+        if how == "fullgraph":
+            run = torch.compile(model, backend="aot_eager", fullgraph=True)
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            for policy in policies:
+                region = mixprec.autocast("cpu", dtype=torch.bfloat16, policy=policy)
+                with region if policy is not None else contextlib.nullcontext():
+                    loss = mse(run, _batch())
+                loss.backward()
+                watch.step(_batch())
+        found = [str(w.message) for w in caught if "not the advice's policy" in str(w.message)]
+        assert len(found) == len(expected), found
+        assert all(e in f for e, f in zip(expected, found, strict=True)), found
+
+
 def test_a_replaced_or_removed_module_is_named() -> None:
     advice = mixprec.advise(_net(), _batch(), mse, candidates=["fp8"])
     for change, word in (
