@@ -23,7 +23,7 @@ from torch import nn
 import mixprec
 from mixprec._src.advisor.arguments import Candidate
 from mixprec._src.advisor.speed.gpus import GPUS
-from mixprec._src.advisor.speed.model import BF16, Operands, Shape, module_time
+from mixprec._src.advisor.speed.model import BF16, ZERO, Operands, Shape, module_time
 from mixprec._src.advisor.speed.operands import operands, recipe_operands, runs_on
 from mixprec._src.fp8.recipes import RECIPES
 from mixprec.errors import ConfigError, MixprecWarning
@@ -143,6 +143,44 @@ def test_a_first_layer_is_not_charged_the_input_gradient_casts() -> None:
     ops = operands(Candidate.of("fp8"), torch.bfloat16)
     expected = module_time(GPUS["h100"], shape, ops, input_grad=False)
     assert first.measurement("fp8").time == expected  # type: ignore[union-attr]
+
+
+class _Shared(nn.Module):
+    """One Linear called on some inputs that need no gradient and on some that do."""
+
+    def __init__(self, pattern: tuple[bool, ...]) -> None:
+        super().__init__()
+        self.pattern = pattern
+        self.lin, self.out = nn.Linear(32, 32), nn.Linear(32, 32)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = self.out(x)  # a hidden value: needs a gradient
+        total = h
+        for grad in self.pattern:
+            total = total + self.lin(h if grad else x)
+        return total
+
+
+@pytest.mark.parametrize("pattern", [(False,), (True,), (False, True), (True, False, False)])
+@pytest.mark.parametrize("gpu", ["h100", "b200"])
+def test_each_call_is_charged_the_input_gradient_gemm_only_if_it_runs_it(
+    pattern: tuple[bool, ...], gpu: str
+) -> None:
+    """Differential: a module's time is the sum over its calls of one call's time, with or
+    without the input-gradient GEMM as that call's input needs a gradient."""
+    torch.manual_seed(0)
+    model, batch = _Shared(pattern), _batch()
+    advice = mixprec.advise(model, batch, mse, candidates=["fp8", "bf16"], gpu=gpu)
+    row = next(m for m in advice.modules if m.name == "lin")
+    assert row.calls == len(pattern)
+    spec = GPUS[gpu]
+    for word in ("fp8", "bf16"):
+        ops = operands(Candidate.of(word), torch.bfloat16)
+        alone = [module_time(spec, [Shape(64, 32, 32)], ops, input_grad=g) for g in pattern]
+        x = row.measurement(word)
+        assert x is not None and x.time is not None and all(t is not None for t in alone)
+        want = sum((t for t in alone if t is not None), start=ZERO)
+        assert x.time == want
 
 
 # --- the reference is float32 wherever the advisor is called --------------------------------

@@ -336,7 +336,7 @@ def _timed(found: Found, subjects: list[Subject], job: Job, gpu: GPU | None) -> 
     """The modules' GEMMs and, with a GPU, each measurement's predicted time: the shapes of one
     pass predict every candidate."""
     for s in subjects:
-        found.gemms[s.name] = gemm_shapes(s.module, s.record.outputs, s.record.has_input_grad)
+        found.gemms[s.name] = gemm_shapes(s.module, s.record.outputs, s.record.input_grad_calls)
     if gpu is None:
         return found
     high = operands(None, job.region, high_word(job.candidates, job.region))

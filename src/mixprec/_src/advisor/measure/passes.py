@@ -72,9 +72,14 @@ class Record:
         return len(self.outputs)
 
     @property
+    def input_grad_calls(self) -> list[bool]:
+        """Per call, whether an input needed a gradient (the call ran an input-gradient GEMM)."""
+        return [any(g is not None for g in call) for call in self.input_grads]
+
+    @property
     def has_input_grad(self) -> bool:
-        """Whether an input of the module needed a gradient (it ran an input-gradient GEMM)."""
-        return any(any(g is not None for g in call) for call in self.input_grads)
+        """Whether an input of the module needed a gradient in any call."""
+        return any(self.input_grad_calls)
 
 
 class Comparison:
