@@ -396,6 +396,28 @@ def test_the_table_says_what_each_column_and_dash_means() -> None:
     assert rows and all(" - " in line for line in rows)  # nvfp4 and mxfp8: no kernel on H100
 
 
+@pytest.mark.parametrize("gpu", [None, "h100", "b200"])
+def test_every_mark_in_a_row_is_explained(gpu: str | None) -> None:
+    """'n/a' (a recipe that cannot serve the module) is explained with the blocks; a module
+    without a GEMM has a blank µs cell in the proposal too (a '-' there would say 'no
+    kernel'); a prediction that holds within rounding reads +0.0, never -0.0."""
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(8, 32), nn.GELU(), nn.Linear(32, 32), nn.LayerNorm(32))
+    batch = (torch.randn(64, 8), torch.randn(64, 32))
+    words = ["nvfp4", "mxfp8", "bf16"]
+    advice = mixprec.advise(
+        model, batch, mse, candidates=words, gpu=gpu, modules=[nn.Linear, nn.LayerNorm]
+    )
+    text = " ".join(advice.table().split())
+    assert "0 Linear 288 n/a" in text
+    assert "n/a: the candidate cannot serve that module" in text
+    assert "nvfp4: 16, mxfp8: 32)" in text
+    norm = next(line for line in advice.table().splitlines() if line.startswith("3 "))
+    cells = norm.split("no error in any candidate")[0].split()
+    assert cells[-1] == "-" and cells[-2] == "inf", norm  # the decision; no µs mark after it
+    assert "-0.0" not in text
+
+
 @pytest.mark.parametrize(("typo", "meant"), [("fc1", "0"), ("blocks.0.mlp.fx", "blocks.0.mlp.fc")])
 def test_a_module_name_typo_gets_a_did_you_mean(typo: str, meant: str) -> None:
     model = nn.Module()

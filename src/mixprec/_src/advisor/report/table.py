@@ -7,7 +7,8 @@ import math
 import textwrap
 from typing import TYPE_CHECKING
 
-from mixprec._src.autocast.rules import format_dtype
+from mixprec._src.autocast.rules import Rule, format_dtype
+from mixprec._src.fp8.recipes import get_recipe
 
 if TYPE_CHECKING:
     from mixprec._src.advisor.report.advice import Advice, ModuleAdvice
@@ -115,7 +116,7 @@ def _row(advice: Advice, m: ModuleAdvice) -> list[str]:
         )
     cells += _fp8_cells(advice, m)
     decision = m.choice if m.served else "-"
-    return [*cells, decision, *([fmt_us(m.time)] if _timed(advice) else []), m.reason]
+    return [*cells, decision, *([_option_us(m, m.time)] if _timed(advice) else []), m.reason]
 
 
 def _align(groups: list[tuple[str, list[str]]], rows: list[list[str]]) -> list[str]:
@@ -189,6 +190,15 @@ def _legend_lines(advice: Advice) -> list[str]:
             "and its casts; '-': the GPU has no kernel for that recipe: measured emulated, "
             "never chosen; blank: no GEMM to time)"
         )
+    unserved = _unserved_words(advice)
+    if unserved:
+        blocks = ", ".join(
+            f"{w}: {k}" if k == n else f"{w}: {k} in, {n} out" for w, (k, n) in unserved.items()
+        )
+        lines.append(
+            "n/a: the candidate cannot serve that module (a recipe serves nn.Linear layers whose "
+            f"in and out features are multiples of its blocks; {blocks})"
+        )
     if _has_fp16(advice):
         lines.append(
             "fp16 range: outputs above 65504 (>max); non-zero gradients fp16 rounds to 0 "
@@ -201,6 +211,17 @@ def _legend_lines(advice: Advice) -> list[str]:
             "operand: in input, w weight, go output gradient"
         )
     return lines
+
+
+def _unserved_words(advice: Advice) -> dict[str, tuple[int, int]]:
+    """The recipe candidates with an ``n/a`` cell, with the feature multiples they need."""
+    found = {}
+    for word in advice.candidates:
+        recipe = Rule(word).recipe
+        if recipe is not None and any(m.measurement(word) is None for m in advice.modules):
+            _, k, n = get_recipe(recipe).multiples()
+            found[word] = (k, n)
+    return found
 
 
 def _policy_text(advice: Advice) -> str:
@@ -250,7 +271,7 @@ def _model_check(advice: Advice) -> list[str]:
     if not math.isfinite(c.error):
         return [line]
     if abs(c.error) <= 1.0:
-        return [f"{line}: the prediction holds here ({c.error:+.1f} dB)"]
+        return [f"{line}: the prediction holds here ({round(c.error, 1) + 0.0:+.1f} dB)"]
     side = "pessimistic" if c.error > 0 else "optimistic"
     return [
         f"{line}: the prediction is {side} by {abs(c.error):.1f} dB here (errors of different "
