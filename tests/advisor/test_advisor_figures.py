@@ -418,6 +418,21 @@ def test_every_mark_in_a_row_is_explained(gpu: str | None) -> None:
     assert "-0.0" not in text
 
 
+def test_the_plot_says_which_modules_its_times_leave_out() -> None:
+    advice = mixprec.advise(
+        _net(),
+        _batch(),
+        mse,
+        candidates=["fp8", "bf16"],
+        gpu="h100",
+        modules=[nn.Linear, nn.LayerNorm],
+    )
+    fig = advice.plot()
+    time_ax = fig.axes[1]
+    assert "1 modules not timed" in time_ax.get_xlabel()
+    assert [t.get_text().strip() for t in time_ax.texts] == ["not timed (no GEMM)"]
+
+
 @pytest.mark.parametrize(("typo", "meant"), [("fc1", "0"), ("blocks.0.mlp.fx", "blocks.0.mlp.fc")])
 def test_a_module_name_typo_gets_a_did_you_mean(typo: str, meant: str) -> None:
     model = nn.Module()
