@@ -212,10 +212,6 @@ def _subjects(chosen: list[Chosen], params: list[nn.Parameter]) -> list[Subject]
     ]
 
 
-def _index(module: nn.Module, position: dict[int, int]) -> list[int]:
-    return sorted({position[id(p)] for p in module.parameters()})
-
-
 def _planned(chosen: list[Chosen], goal: Goal) -> int:
     """The reference, the isolated passes, the region, the cheapest policy and the check (the
     engine is told of kept modules measured around fp8, and of a check it need not run); for

@@ -501,10 +501,6 @@ def _record(step: int, row: ModuleAdvice, m: Measurement, ref: Measurement | Non
     )
 
 
-def _db(db: float) -> str:
-    return "inf/NaN" if db == -math.inf else f"{db:.1f} dB"
-
-
 def _message(report: WatchReport) -> str:
     text = f"mixprec.Watch at step {report.step}: " + "; ".join(report.alerts)
     if report.policy is not None:
