@@ -188,7 +188,7 @@ def _legend_lines(advice: Advice) -> list[str]:
         lines.append(
             f"µs: predicted time per step on {advice.step.gpu} (the module's three GEMMs "
             "and its casts; '-': the GPU has no kernel for that recipe: measured emulated, "
-            "never chosen; blank: no GEMM to time)"
+            "never chosen; blank: not timed alone, no Linear or conv GEMM)"
         )
     unserved = _unserved_words(advice)
     if unserved:
@@ -305,7 +305,10 @@ def _left_out(step: StepTime) -> str:
     if not step.left_out:
         return ""
     names = ", ".join(step.left_out[:4]) + (", ..." if len(step.left_out) > 4 else "")
-    return f"{len(step.left_out)} measured modules without a GEMM ({names}), "
+    return (
+        f"{len(step.left_out)} measured modules not timed alone ({names}: no Linear or conv "
+        "GEMM; any matmul of theirs is in other matmuls), "
+    )
 
 
 def _us(seconds: float) -> str:
