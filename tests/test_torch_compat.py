@@ -262,6 +262,26 @@ def test_dynamo_disable_runs_eagerly_under_compile() -> None:
     assert torch.equal(out, torch.full((2,), 4.0)) and calls == [False]
 
 
+def test_compiled_runs_eagerly_while_entered_only() -> None:
+    """Compiled code (a module compiled in place, a compiled function) runs its eager Python
+    inside the context, and compiled again once it is left."""
+    seen: list[bool] = []
+
+    class Probe(torch.nn.Module):
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            seen.append(torch.compiler.is_compiling())
+            return x + 1
+
+    module = Probe()
+    module.compile(backend="eager")
+    function = torch.compile(Probe().forward, backend="eager")
+    for run in (module, function):
+        with tc.compiled_runs_eagerly():
+            run(torch.ones(2))
+        run(torch.ones(2))
+    assert seen == [False, True, False, True]
+
+
 def test_fsdp2_entries_on_a_one_rank_world() -> None:
     """The FSDP2 accessors fp8/gather.py uses, on a real (one-rank gloo) fully_shard."""
     import torch.distributed as dist

@@ -7,6 +7,7 @@ a module replaced since the advice."""
 
 from __future__ import annotations
 
+import contextlib
 import itertools
 import math
 import warnings
@@ -22,7 +23,7 @@ from torch import nn
 import mixprec
 from mixprec._src.advisor.arguments import Candidate
 from mixprec._src.advisor.speed.gpus import GPUS
-from mixprec._src.advisor.speed.model import BF16, Operands, Shape, module_time
+from mixprec._src.advisor.speed.model import BF16, ZERO, Operands, Shape, module_time
 from mixprec._src.advisor.speed.operands import operands, recipe_operands, runs_on
 from mixprec._src.fp8.recipes import RECIPES
 from mixprec.errors import ConfigError, MixprecWarning
@@ -83,7 +84,7 @@ def test_every_choice_runs_on_the_gpu_and_every_sum_says_what_it_left_out(
         assert not any("inf/NaN" in n for n in advice.notes), advice.notes
         assert advice.step.left_out == ("3",)  # the LayerNorm: no GEMM to time
         text = advice.table()
-        assert "not modelled: 1 measured modules without a GEMM (3)" in text
+        assert "not modelled: 1 measured modules not timed alone (3: no Linear" in text
 
 
 def test_no_candidate_the_gpu_runs_is_kept_with_the_reason_and_no_speedup_from_nothing() -> None:
@@ -144,11 +145,61 @@ def test_a_first_layer_is_not_charged_the_input_gradient_casts() -> None:
     assert first.measurement("fp8").time == expected  # type: ignore[union-attr]
 
 
+class _Shared(nn.Module):
+    """One Linear called on some inputs that need no gradient and on some that do."""
+
+    def __init__(self, pattern: tuple[bool, ...]) -> None:
+        super().__init__()
+        self.pattern = pattern
+        self.lin, self.out = nn.Linear(32, 32), nn.Linear(32, 32)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = self.out(x)  # a hidden value: needs a gradient
+        total = h
+        for grad in self.pattern:
+            total = total + self.lin(h if grad else x)
+        return total
+
+
+@pytest.mark.parametrize("pattern", [(False,), (True,), (False, True), (True, False, False)])
+@pytest.mark.parametrize("gpu", ["h100", "b200"])
+def test_each_call_is_charged_the_input_gradient_gemm_only_if_it_runs_it(
+    pattern: tuple[bool, ...], gpu: str
+) -> None:
+    """Differential: a module's time is the sum over its calls of one call's time, with or
+    without the input-gradient GEMM as that call's input needs a gradient."""
+    torch.manual_seed(0)
+    model, batch = _Shared(pattern), _batch()
+    advice = mixprec.advise(model, batch, mse, candidates=["fp8", "bf16"], gpu=gpu)
+    row = next(m for m in advice.modules if m.name == "lin")
+    assert row.calls == len(pattern)
+    spec = GPUS[gpu]
+    for word in ("fp8", "bf16"):
+        ops = operands(Candidate.of(word), torch.bfloat16)
+        alone = [module_time(spec, [Shape(64, 32, 32)], ops, input_grad=g) for g in pattern]
+        x = row.measurement(word)
+        assert x is not None and x.time is not None and all(t is not None for t in alone)
+        want = sum((t for t in alone if t is not None), start=ZERO)
+        assert x.time == want
+
+
 # --- the reference is float32 wherever the advisor is called --------------------------------
 
 
 def _json(advice: mixprec.types.Advice) -> str:
     return advice.to_json()
+
+
+def _state() -> tuple[object, ...]:
+    autocast = (torch.is_autocast_enabled("cpu"), torch.get_autocast_dtype("cpu"))
+    return (*autocast, torch.is_grad_enabled(), torch.is_inference_mode_enabled())
+
+
+def _nested() -> Any:
+    stack = contextlib.ExitStack()
+    stack.enter_context(torch.autocast("cpu", dtype=torch.bfloat16))
+    stack.enter_context(mixprec.autocast("cpu", dtype=torch.float16, policy="2=fp8:rowwise"))
+    return stack
 
 
 @pytest.mark.parametrize(
@@ -158,26 +209,30 @@ def _json(advice: mixprec.types.Advice) -> str:
         lambda: mixprec.autocast("cpu", dtype=torch.bfloat16),
         lambda: mixprec.autocast("cpu", dtype=torch.float16, policy="nn.Linear=fp8"),
         lambda: mixprec.autocast("cpu", dtype=torch.bfloat16, policy="0=fp32, nn.GELU=bf16"),
+        _nested,
+        torch.no_grad,
+        torch.inference_mode,
     ],
 )
 def test_advise_and_watch_inside_a_region_measure_what_they_measure_outside(region: Any) -> None:
+    """Inside a 16-bit region (torch's, mixprec's, nested) or a no-grad/inference context, the
+    passes measure what they measure outside: float32 reference, grad on."""
     kwargs = {"candidates": ["fp8", "bf16"], "min_sqnr": 25.0}
     outside = mixprec.advise(_net(), _batch(), mse, **kwargs)
+    model, batch = _net(), _batch()
     with region():
-        inside = mixprec.advise(_net(), _batch(), mse, **kwargs)
-        assert torch.get_autocast_dtype("cpu") in (torch.bfloat16, torch.float16)
+        before = _state()
+        inside = mixprec.advise(model, batch, mse, **kwargs)
+        assert _state() == before  # the caller's region is back in force
     assert _json(inside) == _json(outside)
     records = []
-    for where in (None, region):
-        model = _net()
+    for where in (contextlib.nullcontext, region):
+        model, batch = _net(), _batch()
         watch = mixprec.Watch(model, mse, outside, every=1, sample=2)
         with warnings.catch_warnings():
             warnings.simplefilter("ignore", MixprecWarning)
-            if where is None:
-                report = watch.step(_batch())
-            else:
-                with where():
-                    report = watch.step(_batch())
+            with where():
+                report = watch.step(batch)
         assert report is not None
         records.append(report.records)
     assert records[0] == records[1]
@@ -186,24 +241,48 @@ def test_advise_and_watch_inside_a_region_measure_what_they_measure_outside(regi
 # --- compiled models ----------------------------------------------------------------------
 
 
-def test_compiled_models_are_refused_before_any_pass() -> None:
+def test_compiled_wrappers_are_refused_before_any_pass() -> None:
+    """torch.compile's wrapper, around the model or one of its modules, names the modules under
+    ``_orig_mod``: refused, before any pass, by advise and by Watch."""
     calls: list[int] = []
 
     def counting(model: nn.Module, batch: Any) -> torch.Tensor:
         calls.append(1)
         return mse(model, batch)
 
-    whole = torch.compile(_net())
     inner = _net()
     inner[0] = torch.compile(inner[0])  # type: ignore[assignment]
-    for model, where in ((whole, "model is"), (inner, "model.0 is")):
-        for candidates in (["bf16"], ["fp8"]):
-            with pytest.raises(ConfigError, match=f"{where} a torch.compile'd module.*_orig_mod"):
-                mixprec.advise(model, _batch(), counting, candidates=candidates)
     advice = mixprec.advise(_net(), _batch(), mse, candidates=["fp8"])
-    with pytest.raises(ConfigError, match=r"torch\.compile'd module"):
-        mixprec.Watch(whole, counting, advice)
+    for model, where in ((torch.compile(_net()), "model is"), (inner, "model.0 is")):
+        message = f"{where} a torch.compile'd module.*_orig_mod"
+        for candidates in (["bf16"], ["fp8"]):
+            with pytest.raises(ConfigError, match=message):
+                mixprec.advise(model, _batch(), counting, candidates=candidates)
+        with pytest.raises(ConfigError, match=message):
+            mixprec.Watch(model, counting, advice)
     assert calls == []
+
+
+@pytest.mark.parametrize("where", ["model", "module"])
+@pytest.mark.parametrize("words", [["bf16"], ["fp16"], ["fp8", "bf16"], ["mxfp8"]])
+def test_a_model_compiled_in_place_is_measured_as_its_eager_self(
+    where: str, words: list[str]
+) -> None:
+    """Differential: Module.compile() keeps the modules and their names; advise and the watch's
+    checks (also when the model was compiled after the watch began) measure its eager forward:
+    the same figures as the model never compiled."""
+    eager = mixprec.advise(_net(64), _batch(64), mse, candidates=words, min_sqnr=20.0)
+    baseline = mixprec.Watch(_net(64), mse, eager, every=1, sample=2)
+    model = _net(64)
+    watch = mixprec.Watch(model, mse, eager, every=1, sample=2)
+    (model if where == "model" else model[2]).compile(backend="eager")
+    mse(model, _batch(64))  # compiled before the advisor runs
+    advice = mixprec.advise(model, _batch(64), mse, candidates=words, min_sqnr=20.0)
+    assert _json(advice) == _json(eager)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", MixprecWarning)
+        got, want = watch.step(_batch(64)), baseline.step(_batch(64))
+    assert got is not None and want is not None and got.records == want.records
 
 
 # --- the watch ----------------------------------------------------------------------------
@@ -257,6 +336,38 @@ def test_the_watch_warns_once_when_the_loop_trains_another_policy() -> None:
             assert expected in found[0]
 
 
+@pytest.mark.parametrize("how", ["wrapper", "in place", "fullgraph"])
+def test_the_watch_notices_the_policy_a_compiled_loop_trains(how: str) -> None:
+    """The same notice when the loop trains the model compiled (torch.compile's wrapper, a
+    model compiled in place, fullgraph=True: no graph break), once per other policy."""
+    advice = mixprec.advise(_net(), _batch(), mse, candidates=["fp8"], keep_at_most=1)
+    other = mixprec.Policy("nn.Linear=bf16")
+    for policies, expected in (
+        ([advice.policy] * 3, []),
+        ([advice.policy, other, advice.policy, other], ["'nn.Linear=bf16'"]),
+        ([None, None], ["outside any mixprec.autocast policy"]),
+    ):
+        torch.compiler.reset()  # the compile caches of the forms above: no recompile limit
+        model = _net()
+        watch = mixprec.Watch(model, mse, advice, every=1000)
+        if how == "in place":
+            model.compile(backend="aot_eager")
+        run = model if how == "in place" else torch.compile(model, backend="aot_eager")
+        if how == "fullgraph":
+            run = torch.compile(model, backend="aot_eager", fullgraph=True)
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            for policy in policies:
+                region = mixprec.autocast("cpu", dtype=torch.bfloat16, policy=policy)
+                with region if policy is not None else contextlib.nullcontext():
+                    loss = mse(run, _batch())
+                loss.backward()
+                watch.step(_batch())
+        found = [str(w.message) for w in caught if "not the advice's policy" in str(w.message)]
+        assert len(found) == len(expected), found
+        assert all(e in f for e, f in zip(expected, found, strict=True)), found
+
+
 def test_a_replaced_or_removed_module_is_named() -> None:
     advice = mixprec.advise(_net(), _batch(), mse, candidates=["fp8"])
     for change, word in (
@@ -284,6 +395,43 @@ def test_the_table_says_what_each_column_and_dash_means() -> None:
     main = text.split("per matmul: the whole-model")[0]  # the table per matmul has no µs
     rows = [line for line in main.splitlines() if line.startswith(("0 ", "2 "))]
     assert rows and all(" - " in line for line in rows)  # nvfp4 and mxfp8: no kernel on H100
+
+
+@pytest.mark.parametrize("gpu", [None, "h100", "b200"])
+def test_every_mark_in_a_row_is_explained(gpu: str | None) -> None:
+    """'n/a' (a recipe that cannot serve the module) is explained with the blocks; a module
+    without a GEMM has a blank µs cell in the proposal too (a '-' there would say 'no
+    kernel'); a prediction that holds within rounding reads +0.0, never -0.0."""
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(8, 32), nn.GELU(), nn.Linear(32, 32), nn.LayerNorm(32))
+    batch = (torch.randn(64, 8), torch.randn(64, 32))
+    words = ["nvfp4", "mxfp8", "bf16"]
+    advice = mixprec.advise(
+        model, batch, mse, candidates=words, gpu=gpu, modules=[nn.Linear, nn.LayerNorm]
+    )
+    text = " ".join(advice.table().split())
+    assert "0 Linear 288 n/a" in text
+    assert "n/a: the candidate cannot serve that module" in text
+    assert "nvfp4: 16, mxfp8: 32)" in text
+    norm = next(line for line in advice.table().splitlines() if line.startswith("3 "))
+    cells = norm.split("no error in any candidate")[0].split()
+    assert cells[-1] == "-" and cells[-2] == "inf", norm  # the decision; no µs mark after it
+    assert "-0.0" not in text
+
+
+def test_the_plot_says_which_modules_its_times_leave_out() -> None:
+    advice = mixprec.advise(
+        _net(),
+        _batch(),
+        mse,
+        candidates=["fp8", "bf16"],
+        gpu="h100",
+        modules=[nn.Linear, nn.LayerNorm],
+    )
+    fig = advice.plot()
+    time_ax = fig.axes[1]
+    assert "1 modules not timed" in time_ax.get_xlabel()
+    assert [t.get_text().strip() for t in time_ax.texts] == ["not timed alone"]
 
 
 @pytest.mark.parametrize(("typo", "meant"), [("fc1", "0"), ("blocks.0.mlp.fx", "blocks.0.mlp.fc")])

@@ -8,6 +8,7 @@ name is missing; ``tests/test_torch_compat.py`` checks every entry on the torch 
 
 from __future__ import annotations
 
+import contextlib
 import inspect
 import sys
 from collections.abc import Callable
@@ -360,8 +361,8 @@ dispatch_dump: Callable[[str], str] = torch._C._dispatch_dump
 
 def is_compiled_module(module: object) -> bool:
     """Whether ``module`` is what ``torch.compile(module)`` returns (``OptimizedModule``, whose
-    ``_orig_mod`` is the eager module). The advisor refuses such a module: its taps and
-    isolated regions are forward hooks, which a compiled graph traces once and replays.
+    ``_orig_mod`` is the eager module). The advisor refuses such a module: its modules are
+    named ``_orig_mod.<name>``, where a policy names them without it.
 
     Checked on torch 2.4-2.13 (``torch._dynamo.eval_frame.OptimizedModule``). Nothing is
     imported: where dynamo was never imported, nothing was compiled.
@@ -369,3 +370,19 @@ def is_compiled_module(module: object) -> bool:
     eval_frame = sys.modules.get("torch._dynamo.eval_frame")
     optimized = getattr(eval_frame, "OptimizedModule", None)
     return optimized is not None and isinstance(module, optimized)
+
+
+def compiled_runs_eagerly() -> contextlib.AbstractContextManager[Any]:
+    """A context in which compiled code runs its eager Python: a module compiled in place
+    (``Module.compile()``) or any function ``torch.compile`` made (the global stance
+    ``torch.compiler.set_stance("force_eager")``, restored on exit). The advisor's passes run
+    in it: their forward hooks, regions and fp8 statistics need the eager forward.
+
+    Checked on torch 2.13.0. Nothing is imported where dynamo was never imported (nothing was
+    compiled).
+
+    Host sync: none.
+    """
+    if "torch._dynamo" not in sys.modules:
+        return contextlib.nullcontext()
+    return torch.compiler.set_stance("force_eager")

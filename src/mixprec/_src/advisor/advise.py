@@ -95,8 +95,10 @@ def advise(
 ) -> Advice:
     """Measure each module's error in each candidate precision and propose a :class:`Policy`.
 
-    Every pass runs in float32 outside the candidates' own regions, also when ``advise`` is
-    called inside an autocast region. Runs a float32 reference forward+backward
+    Every pass runs in float32 outside the candidates' own regions, with grad on, also when
+    ``advise`` is called inside an autocast region or under ``torch.no_grad()`` or
+    ``torch.inference_mode()``; a module compiled in place (``Module.compile()``) runs its eager
+    forward. Runs a float32 reference forward+backward
     (``loss_fn(model, batch).backward()``), then one pass per module and candidate with only
     that module in the candidate precision, and one pass of the region with every measured
     module in float32 (the error of the ops between them); around fp8, each kept module is also
@@ -151,10 +153,11 @@ def advise(
         ``table()``, ``plot()`` and ``to_json()``.
 
     Raises:
-        ConfigError: a bad argument (before any pass), a ``torch.compile``'d model (pass the
-            eager module; before any pass), a model with 16-bit parameters, a loss function
-            that cannot be called as ``loss_fn(model, batch)`` or does not return a scalar loss
-            that requires grad, a float32 reference with inf/NaN gradients.
+        ConfigError: a bad argument (before any pass), a model wrapped by ``torch.compile``
+            or holding a wrapped module (pass the eager module; before any pass), a model with
+            16-bit parameters, a loss function that cannot be called as
+            ``loss_fn(model, batch)`` or does not return a scalar loss that requires grad, a
+            float32 reference with inf/NaN gradients.
 
     Example:
         >>> import torch, mixprec
@@ -226,10 +229,6 @@ def _subjects(chosen: list[Chosen], params: list[nn.Parameter]) -> list[Subject]
         )
         for c in chosen
     ]
-
-
-def _index(module: nn.Module, position: dict[int, int]) -> list[int]:
-    return sorted({position[id(p)] for p in module.parameters()})
 
 
 def _planned(chosen: list[Chosen], goal: Goal) -> int:
@@ -360,7 +359,7 @@ def _timed(found: Found, subjects: list[Subject], job: Job, gpu: GPU | None) -> 
     """The modules' GEMMs and, with a GPU, each measurement's predicted time: the shapes of one
     pass predict every candidate."""
     for s in subjects:
-        found.gemms[s.name] = gemm_shapes(s.module, s.record.outputs, s.record.has_input_grad)
+        found.gemms[s.name] = gemm_shapes(s.module, s.record.outputs, s.record.input_grad_calls)
     if gpu is None:
         return found
     high = operands(None, job.region, high_word(job.candidates, job.region))

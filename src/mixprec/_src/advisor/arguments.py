@@ -149,11 +149,12 @@ def device_of(model: nn.Module) -> torch.device:
 
 
 def check_model(model: object) -> None:
-    """A module the advisor can hook: not a ``torch.compile``'d one (its graph would replay
-    the hooks of its first call).
+    """A module the advisor can name as autocast does: not ``torch.compile``'s wrapper, under
+    which every module is named ``_orig_mod.<name>`` (a module compiled in place, with
+    ``Module.compile()``, keeps its names: the passes run its eager forward).
 
     Raises:
-        ConfigError: not a module, or a compiled one (the message says what to pass).
+        ConfigError: not a module, or a wrapper (the message says what to pass).
     """
     if not isinstance(model, nn.Module):
         raise ConfigError(f"model must be a torch.nn.Module, got {type(model).__name__}")
@@ -161,10 +162,10 @@ def check_model(model: object) -> None:
     if compiled is not None:
         what = "model is" if not compiled else f"model.{compiled} is"
         raise ConfigError(
-            f"{what} a torch.compile'd module; the advisor measures the eager model, module by "
-            "module, through forward hooks a compiled graph does not run: pass the module you "
-            "compiled (its ._orig_mod, the same parameters) and train the compiled one with "
-            "the proposed policy"
+            f"{what} a torch.compile'd module, whose modules are named under ._orig_mod where "
+            "a policy names them without it; the advisor measures the eager model: pass the "
+            "module you compiled (its ._orig_mod, the same parameters) and train the compiled "
+            "one with the proposed policy"
         )
 
 

@@ -71,6 +71,7 @@ from mixprec._src.autocast.calls import region_policy
 from mixprec._src.autocast.policy import Policy
 from mixprec._src.autocast.rules import format_dtype
 from mixprec._src.autocast.schedule import Schedule
+from mixprec._src.torch_compat import mark_constant
 from mixprec.errors import ConfigError, MixprecWarning
 
 _LOG = logging.getLogger("mixprec")
@@ -165,7 +166,8 @@ class Watch:
         flags and RNG state are left as they were. When the model's training forwards since the
         last step ran under a policy other than the advice's (or outside any mixprec region),
         it warns once per such policy: the watch measures the advice's choices, not what the
-        loop trains.
+        loop trains. A compiled loop's policy is noticed when its graph is made (for the
+        model compiled after the watch began).
 
         Raises:
             ConfigError: a check is due and no batch was ever passed, or a watched module is no
@@ -447,15 +449,27 @@ class _TrainedPolicies:
 
 
 class _PolicyProbe:
+    """Notes the policy of each training forward. Under ``torch.compile`` Dynamo runs
+    :func:`_note` once per graph, at trace time (it is marked constant), and guards on its
+    arguments: a policy the compiled loop trains under is noted when its graph is made, and
+    the compiled code does nothing more (no graph break, also under ``fullgraph=True``)."""
+
     def __init__(self) -> None:
         self.seen: dict[Policy | None, None] = {}
 
     def __call__(self, module: nn.Module, args: Any) -> None:
-        if torch.compiler.is_compiling() or in_pass():
+        if not torch.compiler.is_compiling() and in_pass():
             return
         if module.training and torch.is_grad_enabled():
             inside, policy = region_policy()
-            self.seen[policy if inside else None] = None
+            _note(self, policy if inside else None)
+
+
+def _note(probe: _PolicyProbe, policy: Policy | None) -> None:
+    probe.seen[policy] = None
+
+
+mark_constant(_note)
 
 
 def _check(

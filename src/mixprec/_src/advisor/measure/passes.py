@@ -6,7 +6,9 @@ when float16 is involved), then takes the parameters' gradients. Between passes 
 every pass starts from the same state and sees the same random numbers. Every pass runs in a
 disabled region without a policy, so that the reference is float32 (and a module's isolated
 pass runs only its own region) also where ``advise`` or ``Watch.step`` is called inside an
-autocast region; the caller's region is back in force when the pass ends.
+autocast region, with grad on also where it is called under ``torch.no_grad()`` or
+``torch.inference_mode()``, and a module compiled in place (``Module.compile()``) runs its
+eager forward; the caller's state is back in force when the pass ends.
 
 A tap (a pair of forward hooks on one module) sees every call of its module: the floating
 outputs, the gradient of the module's floating inputs (each input is replaced by an alias,
@@ -38,7 +40,7 @@ from mixprec._src.autocast.region import autocast
 from mixprec._src.fp8 import hook as fp8_hook
 from mixprec._src.fp8.recipes import get_recipe
 from mixprec._src.fp8.stats import Fp8Stats
-from mixprec._src.torch_compat import tree_flatten, tree_map
+from mixprec._src.torch_compat import compiled_runs_eagerly, tree_flatten, tree_map
 from mixprec.errors import ConfigError
 
 #: Powers of two of headroom between the largest reference gradient times the proposed initial
@@ -70,9 +72,14 @@ class Record:
         return len(self.outputs)
 
     @property
+    def input_grad_calls(self) -> list[bool]:
+        """Per call, whether an input needed a gradient (the call ran an input-gradient GEMM)."""
+        return [any(g is not None for g in call) for call in self.input_grads]
+
+    @property
     def has_input_grad(self) -> bool:
-        """Whether an input of the module needed a gradient (it ran an input-gradient GEMM)."""
-        return any(any(g is not None for g in call) for call in self.input_grads)
+        """Whether an input of the module needed a gradient in any call."""
+        return any(self.input_grad_calls)
 
 
 class Comparison:
@@ -288,10 +295,12 @@ class Engine:
     ) -> list[torch.Tensor | None]:
         """One forward+backward pass over every batch (inside ``outer``, if given); returns the
         unscaled gradients."""
-        self.guard.reset()
         with ExitStack() as stack:
             stack.enter_context(_passing())
+            stack.enter_context(torch.inference_mode(False))
             stack.enter_context(torch.enable_grad())
+            stack.enter_context(compiled_runs_eagerly())
+            self.guard.reset()
             stack.enter_context(_float32(self.device_type))
             stack.enter_context(attached(list(taps)))
             if isolate is not None:

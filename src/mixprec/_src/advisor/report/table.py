@@ -7,7 +7,8 @@ import math
 import textwrap
 from typing import TYPE_CHECKING
 
-from mixprec._src.autocast.rules import format_dtype
+from mixprec._src.autocast.rules import Rule, format_dtype
+from mixprec._src.fp8.recipes import get_recipe
 
 if TYPE_CHECKING:
     from mixprec._src.advisor.report.advice import Advice, ModuleAdvice
@@ -116,7 +117,7 @@ def _row(advice: Advice, m: ModuleAdvice) -> list[str]:
         )
     cells += _fp8_cells(advice, m)
     decision = m.choice if m.served else "-"
-    return [*cells, decision, *([fmt_us(m.time)] if _timed(advice) else []), m.reason]
+    return [*cells, decision, *([_option_us(m, m.time)] if _timed(advice) else []), m.reason]
 
 
 def _align(groups: list[tuple[str, list[str]]], rows: list[list[str]]) -> list[str]:
@@ -195,7 +196,16 @@ def _legend_lines(advice: Advice) -> list[str]:
         lines.append(
             f"µs: predicted time per step on {advice.step.gpu} (the module's three GEMMs "
             "and its casts; '-': the GPU has no kernel for that recipe: measured emulated, "
-            "never chosen; blank: no GEMM to time)"
+            "never chosen; blank: not timed alone, no Linear or conv GEMM)"
+        )
+    unserved = _unserved_words(advice)
+    if unserved:
+        blocks = ", ".join(
+            f"{w}: {k}" if k == n else f"{w}: {k} in, {n} out" for w, (k, n) in unserved.items()
+        )
+        lines.append(
+            "n/a: the candidate cannot serve that module (a recipe serves nn.Linear layers whose "
+            f"in and out features are multiples of its blocks; {blocks})"
         )
     if _has_fp16(advice):
         lines.append(
@@ -250,6 +260,17 @@ def _matmul_cells(dbs: tuple[float, float, float] | None) -> list[str]:
     return [fmt_db(d) + ("*" if i == worst and math.isfinite(d) else "") for i, d in enumerate(dbs)]
 
 
+def _unserved_words(advice: Advice) -> dict[str, tuple[int, int]]:
+    """The recipe candidates with an ``n/a`` cell, with the feature multiples they need."""
+    found = {}
+    for word in advice.candidates:
+        recipe = Rule(word).recipe
+        if recipe is not None and any(m.measurement(word) is None for m in advice.modules):
+            _, k, n = get_recipe(recipe).multiples()
+            found[word] = (k, n)
+    return found
+
+
 def _policy_text(advice: Advice) -> str:
     text = str(advice.policy)
     return text or f"(no rules: the whole region in {format_dtype(advice.dtype)})"
@@ -299,7 +320,7 @@ def _model_check(advice: Advice) -> list[str]:
     if not math.isfinite(c.error):
         return [line]
     if abs(c.error) <= 1.0:
-        return [f"{line}: the prediction holds here ({c.error:+.1f} dB)"]
+        return [f"{line}: the prediction holds here ({round(c.error, 1) + 0.0:+.1f} dB)"]
     side = "pessimistic" if c.error > 0 else "optimistic"
     return [
         f"{line}: the prediction is {side} by {abs(c.error):.1f} dB here (errors of different "
@@ -333,7 +354,10 @@ def _left_out(step: StepTime) -> str:
     if not step.left_out:
         return ""
     names = ", ".join(step.left_out[:4]) + (", ..." if len(step.left_out) > 4 else "")
-    return f"{len(step.left_out)} measured modules without a GEMM ({names}), "
+    return (
+        f"{len(step.left_out)} measured modules not timed alone ({names}: no Linear or conv "
+        "GEMM; any matmul of theirs is in other matmuls), "
+    )
 
 
 def _us(seconds: float) -> str:

@@ -22,7 +22,7 @@ The speed model applied to measured modules: their GEMM shapes and each option's
 The shapes come from the float32 reference pass: an ``nn.Linear`` that returned ``(..., N)``
 ran ``M = numel / N`` rows of ``K = in_features``; a convolution is its implicit GEMM (rows: the
 batch times the output positions; ``K``: input channels per group times the kernel size). A
-module whose input needed no gradient runs no input-gradient GEMM. Other modules have no
+call whose input needed no gradient runs no input-gradient GEMM. Other modules have no
 predicted time. The rest of the step's matmuls (attention's, a functional ``F.linear``) are
 counted with torch's ``FlopCounterMode`` during the reference pass and timed in 16-bit.
 """
@@ -268,16 +268,19 @@ def runs(gpu: GPU, ops: Operands) -> bool:
 @dataclass(frozen=True)
 class Gemms:
     """A module's GEMMs in one step, as the reference pass saw them: one shape per call, and
-    whether an input needed a gradient (else no input-gradient GEMM runs)."""
+    per call whether an input needed a gradient (else that call runs no input-gradient GEMM)."""
 
     calls: tuple[Shape, ...]
-    input_grad: bool
+    input_grad: tuple[bool, ...]
 
 
 def gemm_shapes(
-    module: nn.Module, outputs_per_call: Sequence[Sequence[torch.Tensor]], input_grad: bool
+    module: nn.Module,
+    outputs_per_call: Sequence[Sequence[torch.Tensor]],
+    input_grad: Sequence[bool],
 ) -> Gemms | None:
-    """The module's GEMMs from its floating outputs in each call, None without a GEMM."""
+    """The module's GEMMs from its floating outputs in each call (``input_grad``: per call,
+    whether an input needed a gradient), None without a GEMM."""
     shapes = []
     for outputs in outputs_per_call:
         if not outputs:
@@ -286,7 +289,7 @@ def gemm_shapes(
         if shape is None:
             return None
         shapes.append(shape)
-    return Gemms(tuple(shapes), input_grad) if shapes else None
+    return Gemms(tuple(shapes), tuple(input_grad)) if shapes else None
 
 
 def _shape(module: nn.Module, out: torch.Tensor) -> Shape | None:
@@ -306,7 +309,13 @@ def predict(gpu: GPU, gemms: Gemms | None, ops: Operands) -> Time | None:
     """The module's time with ``ops``; None without a GEMM or when ``gpu`` cannot run it."""
     if gemms is None:
         return None
-    return module_time(gpu, gemms.calls, ops, gemms.input_grad)
+    total = ZERO
+    for shape, input_grad in zip(gemms.calls, gemms.input_grad, strict=True):
+        time = module_time(gpu, [shape], ops, input_grad)
+        if time is None:
+            return None
+        total = total + time
+    return total
 
 
 def step_time(
@@ -383,5 +392,5 @@ def counted_flops(gemms: Gemms | None) -> float:
     """The FLOP the counter saw for a measured module's GEMMs in the reference pass."""
     if gemms is None:
         return 0.0
-    per_call = 3 if gemms.input_grad else 2
-    return float(sum(2 * s.m * s.k * s.n * s.groups * per_call for s in gemms.calls))
+    calls = zip(gemms.calls, gemms.input_grad, strict=True)
+    return float(sum(2 * s.m * s.k * s.n * s.groups * (3 if g else 2) for s, g in calls))
