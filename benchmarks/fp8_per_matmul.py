@@ -1,8 +1,11 @@
 """Precision per matmul and per phase of training, on the small GPT of fp8_gpt_gap.py.
 
 The same byte-level GPT, data, optimizer and schedule of learning rates as
-``benchmarks/fp8_gpt_gap.py`` (width 128, 2 blocks, context 64, 150 steps by default), the same
-initialisation and batches for every configuration of one seed:
+``benchmarks/fp8_gpt_gap.py`` (2 blocks, context 64, 8 sequences a step, 150 steps), at width
+1024 by default: at fp8_gpt_gap.py's width 128 every GEMM of this GPT is memory-bound on a B200,
+the speed model predicts bf16 fastest for every module, and a comparison at equal predicted
+speed would be bf16 against bf16. The same initialisation and batches for every configuration
+of one seed:
 
 - ``bf16``: bf16 autocast, the baseline; ``nvfp4``: every Linear in nvfp4 throughout;
 - ``per-module``: ``mixprec.advise(..., per_matmul=False, gpu="b200", objective="speed")`` with
@@ -15,13 +18,13 @@ initialisation and batches for every configuration of one seed:
 - ``schedule``: nvfp4 for the first 85% of the steps, then the forward matmuls in bf16
   (``Policy("nn.Linear=nvfp4").with_matmuls(fprop="bf16")``, a :class:`mixprec.Schedule`).
 
-The advisor measures on a batch of 256 sequences (16,384 tokens, the speed model's shapes on the
-GPU: at the 512 training tokens every GEMM is below the kernel floor and bf16 is fastest), taken
-from the training data. It prints the loss gaps to bf16 (held-out after the last step, training
-loss of the last 10%; per seed, then averaged with the spread), the two policies with their
-predicted SQNR and speedup, which matmul carries each module's error (seed 0's per-matmul
-advice), and the schedule's gap to bf16 before the switch (held-out at 85%, training loss over
-75-85%) and after it (the end), against nvfp4 throughout.
+The advisor measures on a batch of 32 sequences (2,048 tokens, taken from the training data: the
+speed model's GEMM shapes; at the 512 training tokens every GEMM is near the kernel floor). It
+prints the loss gaps to bf16 (held-out after the last step, training loss of the last 10%; per
+seed, then averaged with the spread), the two policies with their predicted SQNR and speedup,
+which matmul carries each module's error (seed 0's per-matmul advice), and the schedule's gap to
+bf16 before the switch (held-out at 85%, training loss over 75-85%) and after it (the end),
+against nvfp4 throughout.
 
 Run: ``python benchmarks/fp8_per_matmul.py [--steps 150] [--seeds 0 1 2] [--jobs 3]``
 (``--save``/``--merge`` as fp8_gpt_gap.py). docs/per-matmul.md has the figures and conditions.
@@ -191,11 +194,11 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--seeds", type=int, nargs="+", default=[0, 1, 2])
     parser.add_argument("--threads", type=int, default=1, help="torch threads per seed")
     parser.add_argument("--jobs", type=int, default=3, help="seeds run at once (processes)")
-    parser.add_argument("--width", type=int, default=128)
+    parser.add_argument("--width", type=int, default=1024)
     parser.add_argument("--depth", type=int, default=2)
     parser.add_argument("--seq", type=int, default=64)
     parser.add_argument("--batch", type=int, default=8)
-    parser.add_argument("--advise-batch", type=int, default=256, help="sequences the advisor sees")
+    parser.add_argument("--advise-batch", type=int, default=32, help="sequences the advisor sees")
     parser.add_argument("--gpu", default="b200")
     parser.add_argument("--lr", type=float, default=3e-3)
     parser.add_argument("--margin", type=float, default=6.0, help="target: all-nvfp4 + this dB")
