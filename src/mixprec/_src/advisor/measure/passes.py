@@ -479,25 +479,29 @@ def _run_alone(
     stats: Fp8Stats | None,
     label: str | None = None,
     what: str | None = None,
+    hp: torch.dtype | None = None,
 ) -> tuple[Tap, list[torch.Tensor | None]]:
     tap = Tap(subject.module, against=subject.record, scale=engine.scale)
-    make = _alone_in(cand, subject, engine, stats, label)
+    make = _alone_in(cand, subject, engine, stats, label, hp)
     text = f"{subject.name} {what or 'in ' + cand.word}"
     return tap, engine.run(text, [tap], isolate=(subject.module, make))
 
 
 def _per_matmul(engine: Engine, subject: Subject, cand: Candidate) -> Measurement:
     """``cand``'s recipe one matmul at a time, in two passes: fprop in it (dgrad and wgrad in
-    float32), then dgrad and wgrad in it (fprop in float32). With the forward exact, dgrad's
-    error reaches only the gradients upstream of the module and wgrad's only its own weight's:
-    the second pass tells them apart by where the error landed. The casts of both passes are
-    recorded as the recipe's."""
+    float32, the module's input and output in the region's dtype as the policy has them), then
+    dgrad and wgrad in it with the forward exact (fprop in float32, float32 around it): dgrad's
+    error reaches only the gradients upstream of the module and wgrad's only its own weight's,
+    so the second pass tells them apart by where the error landed, and the region's rounding
+    of the module's input and output is counted once, in the first. The casts of both passes
+    are recorded as the recipe's."""
     word, stats = cand.word, Fp8Stats()
     forward = Candidate.of(f"{word}/fp32/fp32")
     backward = Candidate.of(f"fp32/{word}/{word}")
     tap_f, grads_f = _run_alone(engine, subject, forward, stats, cand.recipe, f"fprop in {word}")
     text = f"dgrad, wgrad in {word}"
-    tap_b, grads_b = _run_alone(engine, subject, backward, stats, cand.recipe, text)
+    exact = torch.float32
+    tap_b, grads_b = _run_alone(engine, subject, backward, stats, cand.recipe, text, exact)
     own = subject.param_index
     others = [i for i in range(len(engine.reference)) if i not in set(own)]
     whole = engine.model_power(grads_b)
@@ -522,12 +526,13 @@ def _alone_in(
     engine: Engine,
     stats: Fp8Stats | None,
     label: str | None = None,
+    hp: torch.dtype | None = None,
 ) -> Callable[[], AbstractContextManager[Any]]:
     """A factory of the region ``subject`` runs in while the rest stays in float32. An fp8
     candidate runs the module's matmuls in fp8 with the region's dtype around them (as the
-    policy will) and records the module's casts into ``stats`` under its name (and the recipe
-    name ``label``, default its own)."""
-    dtype, recipe, region = cand.dtype, cand.recipe, engine.job.region
+    policy will; ``hp`` instead, if given) and records the module's casts into ``stats`` under
+    its name (and the recipe name ``label``, default its own)."""
+    dtype, recipe, region = cand.dtype, cand.recipe, hp or engine.job.region
     if recipe is not None:
         assert stats is not None
         return lambda: _fp8_module(subject.module, subject.name, recipe, region, stats, label)

@@ -37,11 +37,13 @@ class Measurement:
         matmuls: a recipe measured per matmul (``advise(..., per_matmul=True)``): the
             whole-model gradient SQNR with only that matmul of the module in the recipe,
             ``(fprop, dgrad, wgrad)`` (dB), from two passes: fprop in the recipe with the other
-            two in float32 (which also gives ``output_sqnr``), then fprop in float32 with dgrad
+            two in float32 (the module's input and output in the region's dtype, counted in
+            fprop's figure; this pass gives ``output_sqnr``), then an exact forward with dgrad
             and wgrad in the recipe (their errors reach different gradients: dgrad's those of
             everything upstream, wgrad's the module's own weight; that pass gives
             ``input_grad_sqnr`` and ``weight_grad_sqnr``). ``model_grad_sqnr`` is then the
-            three errors added. None: the module measured whole, in one pass.
+            three errors added. A module whose input needs no gradient runs no dgrad: inf.
+            None: the module measured whole, in one pass.
     """
 
     candidate: str
