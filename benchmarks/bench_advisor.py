@@ -72,13 +72,14 @@ def _fp32_pass_s(model: nn.Module, batch: Any, loss_fn: Any, repeats: int = 3) -
     return statistics.median(times[1:])
 
 
-def cost(task: Any, repeats: int) -> list[mixprec.types.Advice]:
+def cost(task: Any, repeats: int) -> list[list[mixprec.types.Advice]]:
     """Wall and CPU time of an advice; each repeat is paired with a float32 pass measured just
     before it (the ratio of the two cancels most of the load drift of a shared machine)."""
     model, batch, loss_fn = task
     rows, reports = [], []
-    for check in (False, True):
+    for per_matmul, check in ((False, False), (False, True), (True, False), (True, True)):
         walls, cpus, ratios = [], [], []
+        reports.append([])
         for _ in range(repeats):
             unit = _fp32_pass_s(model, batch, loss_fn)
             start, cpu = time.perf_counter(), time.process_time()
@@ -90,14 +91,16 @@ def cost(task: Any, repeats: int) -> list[mixprec.types.Advice]:
                 min_sqnr=30.0,
                 keep_at_most=2,
                 check=check,
+                per_matmul=per_matmul,
             )
             walls.append(time.perf_counter() - start)
             cpus.append(time.process_time() - cpu)
             ratios.append(walls[-1] / unit)
-            reports.append(advice)
+            reports[-1].append(advice)
         ratio = statistics.median(ratios)
+        mode = "per matmul" if per_matmul else "per module"
         rows.append(
-            f"| advise{' + check' if check else ''} | {advice.passes} | "
+            f"| advise, {mode}{' + check' if check else ''} | {advice.passes} | "
             f"{statistics.median(walls):.2f} | {min(walls):.2f} | {min(cpus):.2f} | "
             f"{ratio:.1f} | {ratio / advice.passes:.2f} |"
         )
@@ -247,7 +250,8 @@ def watch_overhead(task: Any, rounds: int) -> float:
         f"\nwatch (sample=1, {rounds} checks after each module's first, {5 * rounds} steps "
         f"interleaved): training step "
         f"{step * 1e3:.0f} ms, check {check * 1e3:.0f} ms ({check / step:.1f} steps); "
-        f"overhead at every=100: {100 * overhead:.1f}% (every=50: {200 * overhead:.1f}%)"
+        f"overhead at every=100: {100 * overhead:.1f}% (every=50: {200 * overhead:.1f}%); "
+        f"the 5% goal: {'met' if overhead <= 0.05 else 'NOT met'}"
     )
     return overhead
 
@@ -313,15 +317,14 @@ def main(argv: list[str] | None = None) -> int:
     reports = cost(task, 1 if args.quick else args.repeats)
     fp8_targets(task, RECIPES[:1] if args.quick else RECIPES)
     fp16_target()
-    overhead = watch_overhead(task, 2 if args.quick else 4)
+    watch_overhead(task, 2 if args.quick else 4)
     if not args.quick:
         speed_objective(ex)
         speed_once(ex)
-    same = len({r.to_json() for r in reports[: len(reports) // 2]}) == 1
-    same = same and len({r.to_json() for r in reports[len(reports) // 2 :]}) == 1
+    same = all(len({r.to_json() for r in group}) == 1 for group in reports)
     print(f"\ndeterministic: {'yes' if same else 'NO'} (JSON of the repeated runs)")
     print(f"load average {_load()} at the end")
-    return 0 if same and overhead <= 0.05 else 1
+    return 0 if same else 1  # timings are printed against their goals, never an exit status
 
 
 def _narrow(ex: Any, width: int) -> Any:

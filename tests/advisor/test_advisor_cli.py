@@ -78,8 +78,10 @@ def test_benchmark_quick_prints_every_table(capsys: pytest.CaptureFixture[str]) 
     assert bench.main(["--quick", "--threads", "1"]) == 0
     out = capsys.readouterr().out
     for text in (
-        "| advise |",
-        "| advise + check |",
+        "| advise, per module |",
+        "| advise, per module + check |",
+        "| advise, per matmul |",
+        "| advise, per matmul + check |",
         "| fp8 |",
         "torchao",
         "fp16 target: kept",
