@@ -239,3 +239,27 @@ def test_the_watch_measures_a_module_whose_matmuls_are_mixed(advice: Any) -> Non
     measured = {r.name: r.candidate for r in report.records}
     mixed = {m.name: m.choice for m in advice.modules if "/" in m.choice}
     assert mixed and all(measured[n] == c for n, c in mixed.items())
+
+
+@pytest.mark.parametrize("objective", ["fewest_kept", "speed"])
+def test_a_module_without_dgrad_gets_no_format_for_it(objective: str) -> None:
+    """The first Linear's input needs no gradient: no dgrad runs, its figure is inf, and no
+    option gives that matmul a format of its own (it follows fprop's)."""
+    kwargs: dict[str, Any] = dict(candidates=["fp8", "mxfp8"], min_sqnr=20.0, objective=objective)
+    if objective == "speed":
+        kwargs["gpu"] = "h100"
+    advice = mixprec.advise(_model(), _batch(), loss_fn, **kwargs)
+    first = advice.modules[0]
+    assert all(x.matmuls is not None and x.matmuls[1] == math.inf for x in first.measurements)
+    from mixprec._src.advisor.choose.options import PerMatmul, module_choice
+
+    choice = module_choice(
+        "0",
+        first.measurements,
+        ("bf16", None, None),
+        None,
+        per_matmul=PerMatmul("bf16", BF16, None),
+    )
+    for option in choice.options:
+        parts = mixprec.Rule(option.word).matmuls
+        assert parts is None or parts[1] == parts[0], option.word

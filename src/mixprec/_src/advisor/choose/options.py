@@ -108,9 +108,11 @@ def _mixes(
     if not parts:
         return []
     parts.append((per.high, (math.inf,) * 3))
+    # A module whose input needs no gradient runs no dgrad: its format follows fprop's.
+    dgrad = any(m.input_grad_sqnr is not None for m in found if m.matmuls is not None)
     out = []
     for combo in itertools.product(range(len(parts)), repeat=3):
-        if len(set(combo)) == 1:
+        if len(set(combo)) == 1 or (not dgrad and combo[1] != combo[0]):
             continue
         words = [parts[j][0] for j in combo]
         word = str(Rule("/".join(words)))
