@@ -25,6 +25,13 @@ from mixprec.distributed import gather_low_precision
 RECIPES = ("tensorwise", "rowwise", "rowwise_gw_hp", "blockwise", "mxfp8", "nvfp4")
 WORDS = {"tensorwise": "fp8", "blockwise": "fp8:blockwise", "mxfp8": "mxfp8", "nvfp4": "nvfp4"}
 STEPS = 2
+# AdamW's implementations: the CPU's default loops over the tensors; CUDA's default (foreach)
+# and the fused one update the sharded parameters without bumping their version counters.
+OPTIMIZERS: dict[str, dict[str, bool]] = {
+    "single": {"foreach": False},
+    "foreach": {"foreach": True},
+    "fused": {"fused": True},
+}
 OUTDIR = Path(".")
 
 
@@ -75,6 +82,7 @@ def train(
     steps: int = STEPS,
     compiled: bool = False,
     scaler: bool = False,
+    optim: str = "single",
 ) -> dict[str, Any]:
     """Train the sharded model a few steps; losses, gradients and parameters of every step.
     With ``scaler``: fp16 parameters and autocast, a GradScaler, an inf on rank 1 at step 1."""
@@ -83,7 +91,7 @@ def train(
     model = shard(make_model(rows), reshard, dtype)
     policy = policy_for(recipe)
     handle = gather_low_precision(model, policy, recompute=checkpoint) if low else None
-    opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-2, **OPTIMIZERS[optim])
     grad_scaler = mixprec.GradScaler("cpu", init_scale=2.0**10) if scaler else None
     stats = mixprec.Fp8Stats()
     run = torch.compile(model) if compiled else model
@@ -155,6 +163,15 @@ def scenario_recompute(rank: int) -> dict[str, Any]:
     return {
         r: {"plain": train(r, False, **kw), "low": train(r, True, **kw)}
         for r in ("rowwise", "nvfp4")
+    }
+
+
+def scenario_optimizers(rank: int) -> dict[str, Any]:
+    """AdamW foreach and fused (alternating over the recipes): the scales follow every step."""
+    kinds = ("foreach", "fused")
+    return {
+        r: {"plain": train(r, False, optim=o, steps=3), "low": train(r, True, optim=o, steps=3)}
+        for r, o in zip(RECIPES, kinds * 3, strict=True)
     }
 
 

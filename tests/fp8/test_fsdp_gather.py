@@ -91,7 +91,9 @@ def worlds(tmp_path_factory: pytest.TempPathFactory) -> dict[int, list[dict[str,
     """A 2-rank world (parity, recomputation, a checkpoint saved), then a 3-rank one (uneven
     shards, the checkpoint loaded at another world size)."""
     outdir = tmp_path_factory.mktemp("gather")
-    two = run_world(outdir, 2, ["parity", "recompute", "scaler", "ckpt_save", "no_recompute"])
+    two = run_world(
+        outdir, 2, ["parity", "optimizers", "recompute", "scaler", "ckpt_save", "no_recompute"]
+    )
     three = run_world(outdir, 3, ["uneven", "ckpt_load"])
     return {2: two, 3: three}
 
@@ -125,6 +127,19 @@ def test_gather_is_bitwise_the_run_without_it(
         forwards = len(low["losses"])
         gathers_per_forward = 2 if scenario == "parity" else 1  # backward re-gathers
         assert low["gathers"] == 2 * forwards * gathers_per_forward
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("recipe", ALL)
+def test_scales_follow_foreach_and_fused_optimizers(
+    worlds: dict[int, list[dict[str, Any]]], recipe: str
+) -> None:
+    """AdamW foreach and fused leave the sharded parameters' version counters as they were:
+    the scales must still be recomputed after each of their steps (one collective each)."""
+    for rank in worlds[2]:
+        run = rank["optimizers"][recipe]
+        _assert_bitwise(run)
+        assert run["low"]["collectives"] == len(run["low"]["grads"]) == 3
 
 
 def _bytes_per_value(run: dict[str, Any], rows: int, world: int) -> float:
