@@ -53,11 +53,15 @@ def policy_for(recipe: str) -> mixprec.Policy:
     return mixprec.Policy(modules={"0": word(recipe), "2": word(recipe), "4": "bf16"})
 
 
-def shard(model: nn.Module, reshard: bool, dtype: torch.dtype = torch.bfloat16) -> nn.Module:
+def shard(
+    model: nn.Module, reshard: bool, dtype: torch.dtype = torch.bfloat16, one_group: bool = False
+) -> nn.Module:
+    """Each Linear its own FSDP2 group, then the root; or (``one_group``) the root alone: one
+    group holding the ruled Linears' weights, their biases and the bf16 Linear."""
     from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 
     mp = MixedPrecisionPolicy(param_dtype=dtype, reduce_dtype=torch.float32)
-    for i in (0, 2, 4):
+    for i in () if one_group else (0, 2, 4):
         fully_shard(model[i], mp_policy=mp, reshard_after_forward=reshard)
     fully_shard(model, mp_policy=mp, reshard_after_forward=reshard)
     return model
@@ -84,12 +88,13 @@ def train(
     compiled: bool = False,
     scaler: bool = False,
     optim: str = "single",
+    one_group: bool = False,
 ) -> dict[str, Any]:
     """Train the sharded model a few steps; losses, gradients and parameters of every step, and
     the torch.distributed collectives each step called. With ``scaler``: fp16 parameters and
     autocast, a GradScaler, an inf on rank 1 at step 1."""
     dtype = torch.float16 if scaler else torch.bfloat16
-    model = shard(make_model(rows), reshard, dtype)
+    model = shard(make_model(rows), reshard, dtype, one_group)
     policy = policy_for(recipe)
     handle = gather_low_precision(model, policy, recompute=checkpoint) if low else None
     opt = torch.optim.AdamW(model.parameters(), lr=1e-2, **OPTIMIZERS[optim])
@@ -265,6 +270,14 @@ def scenario_compiled(rank: int) -> dict[str, Any]:
         low["graphs"] = counters["stats"]["unique_graphs"]
         out[r] = {"eager": train(r, False), "plain": train(r, False, compiled=True), "low": low}
     return out
+
+
+def scenario_one_group(rank: int) -> dict[str, Any]:
+    """One FSDP2 group for the whole model: the ruled weights' codes (uint8) gathered with bf16
+    parameters (the biases, the bf16 Linear) in the same all-gather."""
+    recipes = ("tensorwise", "mxfp8", "nvfp4")
+    kw: dict[str, Any] = {"one_group": True}
+    return {r: {"plain": train(r, False, **kw), "low": train(r, True, **kw)} for r in recipes}
 
 
 def scenario_scaler(rank: int) -> dict[str, Any]:

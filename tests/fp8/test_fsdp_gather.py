@@ -102,7 +102,16 @@ def worlds(gather_dir: Path) -> dict[int, list[dict[str, Any]]]:
     two = run_world(
         gather_dir,
         2,
-        ["parity", "unsharded", "optimizers", "recompute", "scaler", "ckpt_save", "no_recompute"],
+        [
+            "parity",
+            "unsharded",
+            "optimizers",
+            "one_group",
+            "recompute",
+            "scaler",
+            "ckpt_save",
+            "no_recompute",
+        ],
     )
     three = run_world(gather_dir, 3, ["uneven", "ckpt_load"])
     return {2: two, 3: three}
@@ -181,6 +190,20 @@ def test_scales_follow_foreach_and_fused_optimizers(
         _assert_bitwise(run)
         assert run["low"]["collectives"] == len(run["low"]["grads"]) == 3
         assert extra_collectives(run) == [1, 1, 1]
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("recipe", ["tensorwise", "mxfp8", "nvfp4"])
+def test_one_fsdp_group_mixing_codes_and_bf16_parameters(
+    worlds: dict[int, list[dict[str, Any]]], recipe: str
+) -> None:
+    """The root alone sharded: one all-gather carries the ruled weights' codes (uint8) beside
+    the biases and the bf16 Linear's weight (FSDP2 gathers mixed dtypes as bytes)."""
+    for rank in worlds[2]:
+        run = rank["one_group"][recipe]
+        _assert_bitwise(run)
+        assert run["low"]["names"] == ["0", "2"]
+        assert extra_collectives(run) == [1] * len(run["low"]["grads"])
 
 
 def _bytes_per_value(run: dict[str, Any], rows: int, world: int) -> float:
