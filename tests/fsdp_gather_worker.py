@@ -351,17 +351,22 @@ def scenario_ckpt_load(rank: int) -> dict[str, Any]:
     model.load_state_dict(state["model"])
     loaded = {k: full(v) for k, v in model.state_dict().items()}
     loaded_plain = {k: full(v) for k, v in plain.state_dict().items()}
-    x, y = batch(rank, 7)
-    with mixprec.autocast("cpu", torch.bfloat16, policy=policy_for("mxfp8")):
-        loss = (model(x).float() - y).square().mean()
-    loss.backward()
     assert handle is not None
     return {
         "params": loaded,
         "plain_params": loaded_plain,
-        "loss": loss.detach(),
+        "loss": _loss_and_grads(model, rank),
+        "plain_loss": _loss_and_grads(plain, rank),  # the same step without the gather
         "collectives": handle.collectives,
     }
+
+
+def _loss_and_grads(model: nn.Module, rank: int) -> list[torch.Tensor]:
+    x, y = batch(rank, 7)
+    with mixprec.autocast("cpu", torch.bfloat16, policy=policy_for("mxfp8")):
+        loss = (model(x).float() - y).square().mean()
+    loss.backward()
+    return [loss.detach(), *(full(p.grad) for p in model.parameters())]
 
 
 SCENARIOS: dict[str, Callable[[int], Any]] = {
