@@ -237,14 +237,14 @@ class LowPrecisionGather:
 
         Host sync: none.
         """
-        ids = {id(w.fsdp_param.sharded_param) for w in self.weights}
         me = weakref.ref(self)
 
         def after_step(optimizer: torch.optim.Optimizer, args: Any, kwargs: Any) -> None:
             handle = me()
-            if handle is not None and any(
-                id(p) in ids for g in optimizer.param_groups for p in g["params"]
-            ):
+            if handle is None or handle.stepped:
+                return
+            ids = {id(w.fsdp_param.sharded_param) for w in handle.weights}  # as FSDP2 holds them
+            if any(id(p) in ids for g in optimizer.param_groups for p in g["params"]):
                 handle.stepped = True
 
         for ref, hook in [h for h in _STEP_HOOKS if h[0]() is None]:
