@@ -12,6 +12,9 @@ EXTRAS := test,progress,plot,lightning,accelerate,tensorboard
 # both Lightning distributions, transformers, and timm without its torchvision (no CPU build
 # of torchvision installs beside the CPU torch).
 TRAINERS := lightning transformers
+# torchtitan (tests/fp8/test_fsdp_gather_torchtitan.py): in .venv only, with the pinned torch it is
+# tested on (the test skips in the venvs of the other torch versions).
+TITAN := torchtitan
 
 $(STAMP): pyproject.toml constraints.txt
 	$(PYTHON) -m venv $(VENV)
@@ -19,6 +22,7 @@ $(STAMP): pyproject.toml constraints.txt
 	$(PY) -m pip install -q -c constraints.txt -e '.[$(EXTRAS)]'
 	$(PY) -m pip install -q -c constraints.txt $(TRAINERS)
 	$(PY) -m pip install -q -c constraints.txt --no-deps timm
+	$(PY) -m pip install -q -c constraints.txt $(TITAN)
 	touch $(STAMP)
 
 venv: $(STAMP)

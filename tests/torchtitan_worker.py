@@ -35,6 +35,10 @@ class CausalSDPA(torch.nn.Module):
 
 def build(gather: bool) -> Any:
     from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
+
+    from torchtitan_trainer import stand_in_triton
+
+    stand_in_triton()  # where triton is not installed (tests/torchtitan_trainer.py says why)
     from torchtitan.models.llama3 import model_registry
 
     from mixprec.integrations.torchtitan import MixprecConverter

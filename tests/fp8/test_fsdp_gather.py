@@ -36,10 +36,14 @@ ALL = ("tensorwise", "rowwise", "rowwise_gw_hp", "blockwise", "mxfp8", "nvfp4")
 
 
 def run_world(
-    outdir: Path, world: int, scenarios: list[str], worker: Path = WORKER
+    outdir: Path,
+    world: int,
+    scenarios: list[str],
+    worker: Path = WORKER,
+    timeout: float = TIMEOUT_S,
 ) -> list[dict[str, Any]]:
-    """Run ``scenarios`` in one fresh ``world``-rank world of ``worker``; per rank, each
-    scenario's result."""
+    """Run ``scenarios`` in one fresh ``world``-rank world of ``worker`` (within ``timeout``
+    seconds); per rank, each scenario's result."""
     world_id = uuid.uuid4().hex[:8]
     port_file = outdir / f"port-{world_id}.txt"
     env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONWARNINGS": "ignore"}
@@ -60,11 +64,11 @@ def run_world(
                     start_new_session=True,
                 )
             )
-        deadline = time.monotonic() + TIMEOUT_S
+        deadline = time.monotonic() + timeout
         for proc in procs:
             proc.wait(timeout=max(0.1, deadline - time.monotonic()))
     except subprocess.TimeoutExpired:
-        pytest.fail(f"the {world}-rank world did not finish within {TIMEOUT_S} s: {_tails(outdir)}")
+        pytest.fail(f"the {world}-rank world did not finish within {timeout} s: {_tails(outdir)}")
     finally:
         for proc in procs:
             if proc.poll() is None:
@@ -87,12 +91,29 @@ def _tails(outdir: Path) -> str:
 
 
 @pytest.fixture(scope="module")
-def worlds(tmp_path_factory: pytest.TempPathFactory) -> dict[int, list[dict[str, Any]]]:
-    """A 2-rank world (parity, recomputation, a checkpoint saved), then a 3-rank one (uneven
-    shards, the checkpoint loaded at another world size)."""
-    outdir = tmp_path_factory.mktemp("gather")
-    two = run_world(outdir, 2, ["parity", "recompute", "scaler", "ckpt_save", "no_recompute"])
-    three = run_world(outdir, 3, ["uneven", "ckpt_load"])
+def gather_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    return tmp_path_factory.mktemp("gather")
+
+
+@pytest.fixture(scope="module")
+def worlds(gather_dir: Path) -> dict[int, list[dict[str, Any]]]:
+    """A 2-rank world (parity, the unsharded run, optimizers, recomputation, the scaler, a
+    checkpoint saved), then a 3-rank one (uneven shards, the checkpoint loaded there)."""
+    two = run_world(
+        gather_dir,
+        2,
+        [
+            "parity",
+            "unsharded",
+            "optimizers",
+            "one_group",
+            "recompute",
+            "scaler",
+            "ckpt_save",
+            "no_recompute",
+        ],
+    )
+    three = run_world(gather_dir, 3, ["uneven", "ckpt_load"])
     return {2: two, 3: three}
 
 
@@ -125,6 +146,64 @@ def test_gather_is_bitwise_the_run_without_it(
         forwards = len(low["losses"])
         gathers_per_forward = 2 if scenario == "parity" else 1  # backward re-gathers
         assert low["gathers"] == 2 * forwards * gathers_per_forward
+        assert extra_collectives(run) == [1] * steps
+
+
+def extra_collectives(run: dict[str, Any]) -> list[int]:
+    """Per step, the torch.distributed collectives the run with the gather called beyond those
+    of the run without it (counted by wrapping torch.distributed's functions in the worker)."""
+    plain, low = run["plain"]["calls"], run["low"]["calls"]
+    assert len(plain) == len(low) and min(plain) > 0  # FSDP2's own gathers were counted
+    return [b - a for a, b in zip(plain, low, strict=True)]
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("recipe", ALL)
+def test_two_ranks_are_bitwise_the_unsharded_run(
+    worlds: dict[int, list[dict[str, Any]]], recipe: str
+) -> None:
+    """The parity scenario, with and without the gather, against one process running both
+    ranks' batches through a bf16 copy of the fp32 model and averaging their fp32 gradients
+    (what FSDP2 with a bf16 param_dtype and fp32 reduce_dtype computes; on 2 ranks the average
+    is exact, on 3 the order of the reduction would show)."""
+    for rank, result in enumerate(worlds[2]):
+        unsharded = result["unsharded"][recipe]
+        for run in (result["parity"][recipe]["plain"], result["parity"][recipe]["low"]):
+            for a, b in zip(unsharded["losses"][rank], run["losses"], strict=True):
+                assert torch.equal(a, b), "losses"
+            for step_a, step_b in zip(unsharded["grads"], run["grads"], strict=True):
+                for a, b in zip(step_a, step_b, strict=True):
+                    assert torch.equal(a, b), "grads"
+            for a, b in zip(unsharded["params"], run["params"], strict=True):
+                assert torch.equal(a, b), "params"
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("recipe", ALL)
+def test_scales_follow_foreach_and_fused_optimizers(
+    worlds: dict[int, list[dict[str, Any]]], recipe: str
+) -> None:
+    """AdamW foreach and fused leave the sharded parameters' version counters as they were:
+    the scales must still be recomputed after each of their steps (one collective each)."""
+    for rank in worlds[2]:
+        run = rank["optimizers"][recipe]
+        _assert_bitwise(run)
+        assert run["low"]["collectives"] == len(run["low"]["grads"]) == 3
+        assert extra_collectives(run) == [1, 1, 1]
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("recipe", ["tensorwise", "mxfp8", "nvfp4"])
+def test_one_fsdp_group_mixing_codes_and_bf16_parameters(
+    worlds: dict[int, list[dict[str, Any]]], recipe: str
+) -> None:
+    """The root alone sharded: one all-gather carries the ruled weights' codes (uint8) beside
+    the biases and the bf16 Linear's weight (FSDP2 gathers mixed dtypes as bytes)."""
+    for rank in worlds[2]:
+        run = rank["one_group"][recipe]
+        _assert_bitwise(run)
+        assert run["low"]["names"] == ["0", "2"]
+        assert extra_collectives(run) == [1] * len(run["low"]["grads"])
 
 
 def _bytes_per_value(run: dict[str, Any], rows: int, world: int) -> float:
@@ -174,9 +253,26 @@ def test_scaler_skips_together_and_stats_count_the_bytes(
         _assert_bitwise(run)
         assert run["plain"]["skipped"] == run["low"]["skipped"] == [False, True, False]
         assert run["low"]["collectives"] == 2
+        assert extra_collectives(run) == [1, 1, 0]  # none after the skipped step
         forward_bytes = 3 * 192 * 128  # three forwards (the stats' context) of 192 x 128 codes
         assert run["low"]["stats_gathered"] == {"0": forward_bytes, "2": forward_bytes}
         assert run["plain"]["stats_gathered"] == {"0": 0, "2": 0}
+
+
+@pytest.mark.slow
+def test_compiled_sharded_model(tmp_path: Path) -> None:
+    """``torch.compile`` (inductor) of the FSDP2 model, every recipe family (square blocks,
+    two orientations, NVFP4's packed codes): with the gather, bit for bit the compiled run
+    without it and the eager run; Dynamo captured graphs (the gathered weight's matmuls run
+    between them)."""
+    (result, *others) = run_world(tmp_path, 2, ["compiled"], timeout=3 * TIMEOUT_S)
+    for rank in (result, *others):
+        for recipe, run in rank["compiled"].items():
+            _assert_bitwise({"plain": run["eager"], "low": run["plain"]})
+            _assert_bitwise(run)
+            assert run["low"]["collectives"] == len(run["low"]["grads"]), recipe
+            assert extra_collectives(run) == [1] * len(run["low"]["grads"]), recipe
+    assert result["compiled"]["tensorwise"]["low"]["graphs"] > 0
 
 
 @pytest.mark.slow
@@ -192,8 +288,45 @@ def test_checkpoint_is_plain_and_loads_at_another_world_size(
         for name, value in saved["params"].items():
             assert torch.equal(value, loaded["params"][name]), name
             assert torch.equal(value, loaded["plain_params"][name]), name  # FSDP2 alone
-        assert torch.isfinite(loaded["loss"])
+        assert torch.isfinite(loaded["loss"][0])
+        for a, b in zip(loaded["loss"], loaded["plain_loss"], strict=True):
+            assert torch.equal(a, b)  # loss and grads on 3 ranks: the gather changes nothing
         assert loaded["collectives"] == 1
+
+
+MIXPREC_FREE = """
+import sys
+sys.modules["mixprec"] = None  # any import of mixprec now raises
+import torch
+from torch.distributed.checkpoint.format_utils import dcp_to_torch_save
+dcp, out = sys.argv[1], sys.argv[2]
+dcp_to_torch_save(dcp, out)
+full = torch.load(out, weights_only=True)
+shards = [torch.load(f, weights_only=True) for f in sys.argv[3:]]
+torch.save({"full": full, "shards": shards}, out)
+"""
+
+
+@pytest.mark.slow
+def test_checkpoints_load_where_mixprec_cannot_import(
+    worlds: dict[int, list[dict[str, Any]]], gather_dir: Path
+) -> None:
+    """The run with the gather saved a DCP checkpoint and each rank's local shards with
+    ``torch.save``: a process in which mixprec cannot be imported reads both with
+    ``weights_only=True`` (no mixprec type, no attribute of the gather inside), and they hold
+    the trained weights."""
+    saved = worlds[2][0]["ckpt_save"]["params"]
+    out = gather_dir / "mixprec-free.pt"
+    shards = [str(gather_dir / f"local-{r}.pt") for r in range(2)]
+    cmd = [sys.executable, "-c", MIXPREC_FREE, str(gather_dir / "dcp"), str(out), *shards]
+    subprocess.run(cmd, check=True, timeout=TIMEOUT_S, capture_output=True)
+    loaded = torch.load(out, weights_only=True)
+    assert loaded["full"]["model"].keys() == saved.keys()
+    for name, value in saved.items():
+        assert torch.equal(loaded["full"]["model"][name], value), name
+        rows = [shard[name] for shard in loaded["shards"]]
+        assert all(type(t) is torch.Tensor for t in rows)
+        assert torch.equal(torch.cat(rows)[: value.shape[0]], value), name  # FSDP2's chunks
 
 
 # ---------------------------------------------------------------------- one process

@@ -52,7 +52,8 @@ class Payload:
                 f"weight for the {'forward' if index == 0 else 'input-gradient'} matmul: a forward "
                 "recomputed in backward (activation checkpointing) needs both copies of a rowwise "
                 "weight in the backward gather. Pass recompute=True to "
-                "mixprec.distributed.gather_low_precision."
+                "mixprec.distributed.gather_low_precision (under torchtitan: "
+                "MixprecConverter.Config(recompute=True))."
             )
         return found
 

@@ -7,7 +7,9 @@ its recipe's codes instead of the parameter dtype, through FSDP2's extension
 plain tensor: the optimizer, ``state_dict`` and distributed checkpoints see ordinary
 parameters).
 
-* **Scales.** Before a forward whose weights changed (an optimizer step since the last one),
+* **Scales.** Before a forward whose weights changed (an optimizer step over them since the
+  last one, seen by an optimizer step hook: foreach and fused optimizers update the sharded
+  parameters without bumping their version counters; or an in-place change that did bump them),
   each rank computes the block maxima of the rows it holds, in the parameter dtype, and ONE
   ``all_gather_into_tensor`` over the mesh exchanges them for every ruled weight at once; each
   rank then combines them (a maximum: blocks that straddle shards, whole columns, the whole
@@ -27,12 +29,14 @@ The unsharded weight is a :class:`~.carrier.Gathered`, consumed by the recipe's 
 
 from __future__ import annotations
 
+import weakref
 from collections.abc import Iterator
 from typing import TYPE_CHECKING, Any
 
 import torch
 import torch.distributed as dist
 from torch import nn
+from torch.optim.optimizer import register_optimizer_step_post_hook
 
 from mixprec._src import torch_compat
 from mixprec._src.fp8.carrier import Gathered, Payload, pack_e2m1, unpack_e2m1
@@ -228,6 +232,28 @@ class LowPrecisionGather:
         #: high precision in fprop or dgrad (a rule per matmul such as ``"bf16/fp8/fp8"``).
         self.high_precision: list[str] = []
         self.collectives = self.scale_bytes = self.gathers = self.gather_bytes = 0
+        self.stepped = False  # an optimizer stepped over a ruled weight since the last refresh
+
+    def watch_steps(self) -> None:
+        """Mark the scales stale after every optimizer step that holds a ruled weight (a global
+        step hook; those of collected handles are removed here, never while hooks run).
+
+        Host sync: none.
+        """
+        me = weakref.ref(self)
+
+        def after_step(optimizer: torch.optim.Optimizer, args: Any, kwargs: Any) -> None:
+            handle = me()
+            if handle is None or handle.stepped:
+                return
+            ids = {id(w.fsdp_param.sharded_param) for w in handle.weights}  # as FSDP2 holds them
+            if any(id(p) in ids for g in optimizer.param_groups for p in g["params"]):
+                handle.stepped = True
+
+        for ref, hook in [h for h in _STEP_HOOKS if h[0]() is None]:
+            hook.remove()
+            _STEP_HOOKS.remove((ref, hook))
+        _STEP_HOOKS.append((me, register_optimizer_step_post_hook(after_step)))
 
     @property
     def names(self) -> list[str]:
@@ -240,14 +266,18 @@ class LowPrecisionGather:
         self.gather_bytes += nbytes
 
     def refresh(self, force: bool = True) -> bool:
-        """Recompute every weight's scales with one collective (a forward runs it itself when
-        an optimizer step changed the weights); with ``force=False``, only if they changed.
+        """Recompute every weight's scales with one collective (a forward runs it itself after
+        an optimizer step over the weights); with ``force=False``, only if they changed. Call it
+        on every rank after changing the weights some other way (``p.data`` writes, a copy
+        into the local shards): only in-place ops on the parameters themselves are seen.
 
         Host sync: none (the collective is queued on the mesh's group).
         """
         versions = [torch_compat.version_counter(w.fsdp_param.sharded_param) for w in self.weights]
-        if not force and all(v == w.version for v, w in zip(versions, self.weights, strict=True)):
+        same = all(v == w.version for v, w in zip(versions, self.weights, strict=True))
+        if not force and same and not self.stepped:
             return False
+        self.stepped = False
         parts = [w.partials() for w in self.weights]
         flat, layout = _pack(parts)
         world = self.weights[0].world
@@ -266,6 +296,9 @@ class LowPrecisionGather:
             f"LowPrecisionGather({len(self.weights)} weights, collectives={self.collectives}, "
             f"gather_bytes={self.gather_bytes}, scale_bytes={self.scale_bytes})"
         )
+
+
+_STEP_HOOKS: list[tuple[weakref.ref[LowPrecisionGather], Any]] = []
 
 
 def _all_gather(out: torch.Tensor, inp: torch.Tensor, group: Any) -> None:
@@ -410,6 +443,7 @@ def _attach(handle: LowPrecisionGather) -> None:
         raise ConfigError("the ruled weights are sharded over different process groups")
     for w in handle.weights:
         torch_compat.fsdp_attach_extension(w.fsdp_param, w.pre_all_gather, w.post_all_gather)
+    handle.watch_steps()
 
     @torch_compat.dynamo_disable
     def before_forward(module: nn.Module, args: Any) -> None:
