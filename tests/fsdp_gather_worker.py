@@ -47,7 +47,14 @@ def make_model(rows: int) -> nn.Sequential:
     )
 
 
+#: Rules per matmul: "0" reads its weight in low precision in fprop and dgrad (gathered as
+#: codes), "2" in bf16 in fprop (gathered by FSDP in the parameter dtype).
+PER_MATMUL = {"0": "mxfp8/nvfp4/fp8", "2": "bf16/fp8/fp8", "4": "bf16"}
+
+
 def policy_for(recipe: str) -> mixprec.Policy:
+    if recipe == "per-matmul":
+        return mixprec.Policy(modules=PER_MATMUL)
     return mixprec.Policy(modules={"0": word(recipe), "2": word(recipe), "4": "bf16"})
 
 
@@ -135,7 +142,7 @@ def optimizer_step(
 
 def counts(handle: Any) -> dict[str, Any]:
     """What the gather's handle counted (the test checks them against ``calls``)."""
-    names = ("collectives", "gathers", "gather_bytes", "scale_bytes", "names")
+    names = ("collectives", "gathers", "gather_bytes", "scale_bytes", "names", "high_precision")
     return {name: getattr(handle, name) for name in names}
 
 
@@ -225,6 +232,12 @@ def forward(model: nn.Module, x: torch.Tensor, checkpoint: bool) -> torch.Tensor
 def scenario_parity(rank: int) -> dict[str, Any]:
     """Every recipe, with and without the gather (reshard_after_forward=True)."""
     return {r: {"plain": train(r, False), "low": train(r, True)} for r in RECIPES}
+
+
+def scenario_per_matmul(rank: int) -> dict[str, Any]:
+    """Rules per matmul: the Linear whose fprop and dgrad read the weight in low precision is
+    gathered as codes, the one whose fprop is bf16 as FSDP gathers it; bitwise either way."""
+    return {"plain": train("per-matmul", False), "low": train("per-matmul", True)}
 
 
 def scenario_unsharded(rank: int) -> dict[str, Any]:

@@ -111,6 +111,7 @@ def worlds(gather_dir: Path) -> dict[int, list[dict[str, Any]]]:
             "scaler",
             "ckpt_save",
             "no_recompute",
+            "per_matmul",
         ],
     )
     three = run_world(gather_dir, 3, ["uneven", "ckpt_load"])
@@ -147,6 +148,20 @@ def test_gather_is_bitwise_the_run_without_it(
         gathers_per_forward = 2 if scenario == "parity" else 1  # backward re-gathers
         assert low["gathers"] == 2 * forwards * gathers_per_forward
         assert extra_collectives(run) == [1] * steps
+
+
+@pytest.mark.slow
+def test_rules_per_matmul_gather_the_weights_read_in_low_precision(
+    worlds: dict[int, list[dict[str, Any]]],
+) -> None:
+    """'0=mxfp8/nvfp4/fp8' reads its weight as codes in fprop and dgrad: gathered so (two
+    orientations); '2=bf16/fp8/fp8' reads it in bf16 in fprop: FSDP's own gather, listed."""
+    for rank in worlds[2]:
+        run = rank["per_matmul"]
+        _assert_bitwise(run)
+        low = run["low"]
+        assert low["names"] == ["0"] and low["high_precision"] == ["2"]
+        assert low["collectives"] == len(low["grads"])
 
 
 def extra_collectives(run: dict[str, Any]) -> list[int]:
