@@ -13,9 +13,11 @@
 4. Host syncs per iteration (``torch.cuda.set_sync_debug_mode("warn")``, counting warnings) for
    plain and fused optimizers, mixprec against torch.amp; a fused optimizer must need none
    after its first step, with or without clipping.
-5. fp8 (#14, #24): for each recipe (tensorwise, rowwise, rowwise_gw_hp, 128-blocks, MXFP8,
-   NVFP4), whether the device takes the hardware path (``torch._scaled_mm``, with block scales
-   for the block recipes: 128-blocks on compute capability 9.x, MXFP8 and NVFP4 from 10.0), the
+5. fp8 (#14, #24, #31): for each recipe (tensorwise, rowwise, rowwise_gw_hp, 128-blocks, MXFP8,
+   NVFP4, and three rules per matmul: mxfp8/mxfp8/nvfp4, bf16/tensorwise/tensorwise,
+   rowwise/rowwise/bf16), whether the device takes the hardware path (``torch._scaled_mm``,
+   with block scales for the block recipes: 128-blocks on compute capability 9.x, MXFP8 and
+   NVFP4 from 10.0), the
    path ``Fp8Stats`` reports, and the Linear's output and gradients against the emulated path
    (SQNR; fast accumulation and the kernels' summation order make them differ slightly), with
    the ``_scaled_mm`` calls counted. The speed table is
@@ -220,7 +222,7 @@ def fp8_check(
     from torch.utils._python_dispatch import TorchDispatchMode
 
     from mixprec._src.fp8.matmul import Plan, fp8_linear, use_scaled_mm
-    from mixprec._src.fp8.recipes import RECIPES
+    from mixprec._src.fp8.recipes import RECIPES, get_recipe
 
     class Count(TorchDispatchMode):
         calls = 0
@@ -239,7 +241,8 @@ def fp8_check(
     x = torch.randn(m, k, generator=gen).to(device)
     w = (torch.randn(n, k, generator=gen) / k**0.5).to(device)
     g = torch.randn(m, n, generator=gen).to(device)
-    for name, recipe in RECIPES.items():
+    mixes = ("mxfp8/mxfp8/nvfp4", "bf16/tensorwise/tensorwise", "rowwise/rowwise/bf16")
+    for name, recipe in [*RECIPES.items(), *((n, get_recipe(n)) for n in mixes)]:
         fast = use_scaled_mm(device, recipe)
         results = []
         for scaled in (fast, False):
@@ -257,7 +260,7 @@ def fp8_check(
             float(20 * torch.log10(r.detach().double().norm() / (r - a).detach().double().norm()))
             for a, r in zip(got, ref, strict=True)
         ]
-        want_calls = (2 if recipe.dy_gw is None else 3) if fast else 0
+        want_calls = sum(a is not None for a, _ in recipe.pairs) if fast else 0
         want_path = "hardware" if fast else "emulated"
         good = calls == want_calls and path == want_path and all(d > 30 for d in db)
         ok &= good
