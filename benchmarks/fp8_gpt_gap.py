@@ -212,17 +212,22 @@ def _gap(values: list[float], ref: list[float]) -> str:
     return f"{statistics.fmean(gaps):+.3f}{spread} | {rel:+.2f}%"
 
 
-def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+def add_run_arguments(parser: argparse.ArgumentParser, width: int) -> None:
+    """The model, data and run arguments (fp8_per_matmul.py takes them too)."""
     parser.add_argument("--steps", type=int, default=150)
     parser.add_argument("--seeds", type=int, nargs="+", default=[0, 1, 2])
     parser.add_argument("--threads", type=int, default=1, help="torch threads per seed")
     parser.add_argument("--jobs", type=int, default=3, help="seeds run at once (processes)")
-    parser.add_argument("--width", type=int, default=128)
+    parser.add_argument("--width", type=int, default=width)
     parser.add_argument("--depth", type=int, default=2)
     parser.add_argument("--seq", type=int, default=64)
     parser.add_argument("--batch", type=int, default=8)
     parser.add_argument("--lr", type=float, default=3e-3)
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    add_run_arguments(parser, width=128)
     parser.add_argument("--min-sqnr", type=float, default=None, help="a fixed advisor target (dB)")
     parser.add_argument(
         "--margin", type=float, default=6.0, help="target = all-nvfp4 SQNR + this (dB)"

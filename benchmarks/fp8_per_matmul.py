@@ -190,17 +190,9 @@ def report(results: list[dict[str, Any]], seeds: list[int], names: list[str]) ->
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--steps", type=int, default=150)
-    parser.add_argument("--seeds", type=int, nargs="+", default=[0, 1, 2])
-    parser.add_argument("--threads", type=int, default=1, help="torch threads per seed")
-    parser.add_argument("--jobs", type=int, default=3, help="seeds run at once (processes)")
-    parser.add_argument("--width", type=int, default=1024)
-    parser.add_argument("--depth", type=int, default=2)
-    parser.add_argument("--seq", type=int, default=64)
-    parser.add_argument("--batch", type=int, default=8)
+    GAP.add_run_arguments(parser, width=1024)
     parser.add_argument("--advise-batch", type=int, default=32, help="sequences the advisor sees")
     parser.add_argument("--gpu", default="b200")
-    parser.add_argument("--lr", type=float, default=3e-3)
     parser.add_argument("--margin", type=float, default=6.0, help="target: all-nvfp4 + this dB")
     parser.add_argument("--only", nargs="+", default=None, help="configurations besides bf16")
     parser.add_argument("--save", default=None, help="also write the per-seed figures (JSON)")

@@ -2,8 +2,8 @@
 
 from __future__ import annotations
 
-from collections.abc import Callable
-from contextlib import AbstractContextManager
+from collections.abc import Callable, Iterator
+from contextlib import AbstractContextManager, contextmanager
 from typing import Any
 
 import torch
@@ -132,3 +132,14 @@ def assert_bitwise(got: list[torch.Tensor], want: list[torch.Tensor], what: str)
     for i, (a, b) in enumerate(zip(got, want, strict=True)):
         assert a.dtype == b.dtype, f"{what}: tensor {i} is {a.dtype}, eager gives {b.dtype}"
         assert torch.equal(a, b), f"{what}: tensor {i} differs from eager"
+
+
+@contextmanager
+def graphs() -> Iterator[dict[str, int]]:
+    """How many graphs Dynamo compiled inside the block."""
+    from torch._dynamo.utils import counters
+
+    before = counters["stats"]["unique_graphs"]
+    found: dict[str, int] = {}
+    yield found
+    found["graphs"] = counters["stats"]["unique_graphs"] - before

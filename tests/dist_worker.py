@@ -404,13 +404,18 @@ def run_rank(
         os._exit(code)
 
 
-def _scenarios(rank: int, world: int, outdir: Path, names: list[str]) -> None:
-    global OUTDIR
-    OUTDIR = outdir
-    for name in names:
-        torch.save(SCENARIOS[name](rank), OUTDIR / f"{name}-{rank}.pt")
-        dist.barrier()
+def scenarios_of(namespace: dict[str, Any]) -> Callable[[int, int, Path, list[str]], None]:
+    """The body that runs a worker's scenarios (its ``SCENARIOS``; its ``OUTDIR`` set first),
+    each saved as ``OUTDIR/<scenario>-<rank>.pt``, the ranks meeting after each."""
+
+    def body(rank: int, world: int, outdir: Path, names: list[str]) -> None:
+        namespace["OUTDIR"] = outdir
+        for name in names:
+            torch.save(namespace["SCENARIOS"][name](rank), outdir / f"{name}-{rank}.pt")
+            dist.barrier()
+
+    return body
 
 
 if __name__ == "__main__":
-    run_rank(sys.argv[1:], _scenarios)
+    run_rank(sys.argv[1:], scenarios_of(globals()))

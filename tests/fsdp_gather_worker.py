@@ -18,7 +18,7 @@ import torch.distributed as dist
 from torch import nn
 
 import mixprec
-from dist_worker import run_rank
+from dist_worker import run_rank, scenarios_of
 from mixprec.distributed import gather_low_precision
 
 RECIPES = ("tensorwise", "rowwise", "rowwise_gw_hp", "blockwise", "mxfp8", "nvfp4")
@@ -385,13 +385,5 @@ SCENARIOS: dict[str, Callable[[int], Any]] = {
 }
 
 
-def _scenarios(rank: int, world: int, outdir: Path, names: list[str]) -> None:
-    global OUTDIR
-    OUTDIR = outdir
-    for name in names:
-        torch.save(SCENARIOS[name](rank), OUTDIR / f"{name}-{rank}.pt")
-        dist.barrier()
-
-
 if __name__ == "__main__":
-    run_rank(sys.argv[1:], _scenarios, timeout_s=60)
+    run_rank(sys.argv[1:], scenarios_of(globals()), timeout_s=60)

@@ -13,16 +13,13 @@ from __future__ import annotations
 
 import copy
 import warnings
-from collections.abc import Iterator
-from contextlib import contextmanager
 from typing import Any
 
 import pytest
 import torch
 import torch._dynamo
-from tests.autocast_helpers import CNN, MLP, Block, assert_bitwise, run
+from tests.autocast_helpers import CNN, MLP, Block, assert_bitwise, graphs, run
 from torch import nn
-from torch._dynamo.utils import counters
 from torch.utils.checkpoint import checkpoint
 
 import mixprec
@@ -38,15 +35,6 @@ BF16 = torch.bfloat16
 def seq() -> nn.Sequential:
     torch.manual_seed(0)
     return nn.Sequential(nn.Linear(8, 16), nn.ReLU(), nn.Linear(16, 4))
-
-
-@contextmanager
-def graphs() -> Iterator[dict[str, int]]:
-    """How many graphs Dynamo compiled inside the block."""
-    before = counters["stats"]["unique_graphs"]
-    found: dict[str, int] = {}
-    yield found
-    found["graphs"] = counters["stats"]["unique_graphs"] - before
 
 
 # ------------------------------------------------------------------ the cases of #23

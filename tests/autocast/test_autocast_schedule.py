@@ -6,13 +6,12 @@ from __future__ import annotations
 
 import copy
 import pickle
-from collections.abc import Iterator
-from contextlib import contextmanager
 
 import pytest
 import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
+from tests.autocast_helpers import graphs
 from torch import nn
 from torch._dynamo.utils import counters
 
@@ -96,14 +95,6 @@ def test_state_round_trips_through_state_dict_pickle_and_deepcopy() -> None:
 
 
 # ---------------------------------------------------------------- under torch.compile
-@contextmanager
-def graphs() -> Iterator[dict[str, int]]:
-    before = counters["stats"]["unique_graphs"]
-    found: dict[str, int] = {}
-    yield found
-    found["graphs"] = counters["stats"]["unique_graphs"] - before
-
-
 @pytest.mark.slow
 @pytest.mark.filterwarnings("ignore:Using `torch.compile\\(module\\)` when there are global")
 def test_a_compiled_loop_recompiles_once_per_distinct_policy() -> None:

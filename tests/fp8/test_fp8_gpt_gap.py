@@ -48,3 +48,27 @@ def test_the_schedule_warms_up_then_decays_to_a_tenth() -> None:
     assert lrs[0] < lrs[top] == pytest.approx(1.0) and top == 150 // 15 - 1
     assert all(a >= b for a, b in zip(lrs[top:], lrs[top + 1 :], strict=False))
     assert lrs[-1] == pytest.approx(0.1, abs=1e-3)
+
+
+def test_the_per_matmul_benchmark_prints_every_table(
+    capsys: pytest.CaptureFixture[str], tmp_path: Path
+) -> None:
+    """benchmarks/fp8_per_matmul.py on a tiny configuration: every configuration's gap, both
+    policies with their predicted speedups, the schedule's table, which matmul carries what."""
+    spec = importlib.util.spec_from_file_location(
+        "fp8_per_matmul", SCRIPT.with_name("fp8_per_matmul.py")
+    )
+    assert spec is not None and spec.loader is not None
+    bench = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(bench)
+    argv = ["--steps", "2", "--seeds", "0", "--jobs", "1", "--width", "64", "--seq", "16"]
+    argv += ["--batch", "4", "--advise-batch", "8"]
+    assert bench.main([*argv, "--save", str(tmp_path / "run.json")]) == 0
+    out = capsys.readouterr().out
+    rows = {line.split("|")[1].strip() for line in out.splitlines() if line.startswith("| ")}
+    assert {"nvfp4", "per-module", "per-matmul", "schedule"} <= rows
+    assert "schedule: nvfp4, then bf16 forward matmuls from step 2" in out
+    assert "which matmul carries the error" in out and "| lm_head | nvfp4 |" in out
+    assert bench.main(["--merge", str(tmp_path / "run.json")]) == 0
+    merged = capsys.readouterr().out
+    assert merged[merged.index("| configuration") :] == out[out.index("| configuration") :]

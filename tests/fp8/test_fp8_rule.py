@@ -11,17 +11,12 @@ import dataclasses
 import doctest
 import importlib
 import io
-import os
-import signal
-import subprocess
-import sys
-import time
-import uuid
 from pathlib import Path
 from typing import Any
 
 import pytest
 import torch
+from tests.gloo_worlds import run_world
 from torch import nn
 from torch.utils.checkpoint import checkpoint
 
@@ -337,33 +332,7 @@ def test_docstring_examples_run(name: str) -> None:
 @pytest.mark.skipif(not torch.distributed.is_available(), reason="no torch.distributed")
 def test_ddp_two_ranks_keep_equal_parameters(tmp_path: Path) -> None:
     worker = Path(__file__).resolve().parents[1] / "fp8_ddp_worker.py"
-    port_file = tmp_path / f"port-{uuid.uuid4().hex[:8]}.txt"
-    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONWARNINGS": "ignore"}
-    if sys.platform.startswith("linux"):
-        env.setdefault("GLOO_SOCKET_IFNAME", "lo")
-    procs = [
-        subprocess.Popen(
-            [sys.executable, str(worker), str(r), "2", str(port_file), str(tmp_path)],
-            stdout=subprocess.PIPE,
-            stderr=subprocess.STDOUT,
-            env=env,
-            start_new_session=True,
-        )
-        for r in range(2)
-    ]
-    deadline = time.monotonic() + 60
-    try:
-        for proc in procs:
-            proc.wait(timeout=max(0.1, deadline - time.monotonic()))
-    except subprocess.TimeoutExpired:
-        pytest.fail("the 2-rank fp8 DDP world did not finish within 60 s")
-    finally:
-        for proc in procs:
-            if proc.poll() is None:
-                os.killpg(proc.pid, signal.SIGKILL)
-                proc.wait()
-    logs = [p.stdout.read().decode()[-2000:] if p.stdout else "" for p in procs]
-    assert [p.returncode for p in procs] == [0, 0], logs
+    run_world(tmp_path, 2, [], worker, timeout=60)
     ranks = [torch.load(tmp_path / f"fp8-{r}.pt") for r in range(2)]
     assert ranks[0]["losses"] != ranks[1]["losses"]  # different data on each rank
     torch.manual_seed(0)

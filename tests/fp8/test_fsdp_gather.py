@@ -6,17 +6,14 @@ hard timeout and its processes are killed in ``finally``.
 
 from __future__ import annotations
 
-import os
-import signal
 import subprocess
 import sys
-import time
-import uuid
 from pathlib import Path
 from typing import Any
 
 import pytest
 import torch
+from tests import gloo_worlds
 from torch import nn
 
 from mixprec._src.fp8.carrier import pack_e2m1, unpack_e2m1
@@ -42,52 +39,8 @@ def run_world(
     worker: Path = WORKER,
     timeout: float = TIMEOUT_S,
 ) -> list[dict[str, Any]]:
-    """Run ``scenarios`` in one fresh ``world``-rank world of ``worker`` (within ``timeout``
-    seconds); per rank, each scenario's result."""
-    world_id = uuid.uuid4().hex[:8]
-    port_file = outdir / f"port-{world_id}.txt"
-    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONWARNINGS": "ignore"}
-    if sys.platform.startswith("linux"):
-        env.setdefault("GLOO_SOCKET_IFNAME", "lo")
-    procs, logs = [], []
-    try:
-        for rank in range(world):
-            log = open(outdir / f"log-{rank}-{world_id}.txt", "w")  # noqa: SIM115 (closed below)
-            logs.append(log)
-            args = [sys.executable, str(worker), str(rank), str(world), str(port_file)]
-            procs.append(
-                subprocess.Popen(
-                    [*args, str(outdir), *scenarios],
-                    stdout=log,
-                    stderr=subprocess.STDOUT,
-                    env=env,
-                    start_new_session=True,
-                )
-            )
-        deadline = time.monotonic() + timeout
-        for proc in procs:
-            proc.wait(timeout=max(0.1, deadline - time.monotonic()))
-    except subprocess.TimeoutExpired:
-        pytest.fail(f"the {world}-rank world did not finish within {timeout} s: {_tails(outdir)}")
-    finally:
-        for proc in procs:
-            if proc.poll() is None:
-                os.killpg(proc.pid, signal.SIGKILL)
-                proc.wait()
-        for log in logs:
-            log.close()
-    codes = [proc.returncode for proc in procs]
-    assert codes == [0] * world, f"worker exit codes {codes}: {_tails(outdir)}"
-    return [
-        {name: torch.load(outdir / f"{name}-{r}.pt", weights_only=False) for name in scenarios}
-        for r in range(world)
-    ]
-
-
-def _tails(outdir: Path) -> str:
-    return "\n".join(
-        f"--- {p.name}\n{p.read_text()[-3000:]}" for p in sorted(outdir.glob("log-*.txt"))
-    )
+    """:func:`tests.gloo_worlds.run_world` of this file's worker by default."""
+    return gloo_worlds.run_world(outdir, world, scenarios, worker, timeout)
 
 
 @pytest.fixture(scope="module")

@@ -8,17 +8,12 @@ and its processes are killed in ``finally``, also when a test fails.
 from __future__ import annotations
 
 import math
-import os
-import signal
-import subprocess
-import sys
-import time
-import uuid
 from pathlib import Path
 from typing import Any
 
 import pytest
 import torch
+from tests import gloo_worlds
 
 import mixprec
 from mixprec.errors import ConfigError
@@ -35,50 +30,7 @@ SPAWNED = ["ddp", "fsdp2", "fsdp2_fp16_policy", "fused", "fsdp1", "join", "clip"
 
 def run_world(outdir: Path, scenarios: list[str]) -> list[dict[str, Any]]:
     """Run ``scenarios`` in one fresh 2-rank world; per scenario, both ranks' results."""
-    world_id = uuid.uuid4().hex[:8]
-    port_file = outdir / f"port-{world_id}.txt"  # rank 0 binds a free port and writes it here
-    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONWARNINGS": "ignore"}
-    if sys.platform.startswith("linux"):  # gloo on the loopback, whatever the hostname resolves to
-        env.setdefault("GLOO_SOCKET_IFNAME", "lo")
-    procs, logs = [], []
-    try:
-        for rank in range(WORLD):
-            log = open(outdir / f"log-{rank}-{world_id}.txt", "w")  # noqa: SIM115 (closed below)
-            logs.append(log)
-            args = [sys.executable, str(WORKER), str(rank), str(WORLD), str(port_file), str(outdir)]
-            procs.append(
-                subprocess.Popen(
-                    [*args, *scenarios],
-                    stdout=log,
-                    stderr=subprocess.STDOUT,
-                    env=env,
-                    start_new_session=True,
-                )
-            )
-        deadline = time.monotonic() + TIMEOUT_S
-        for proc in procs:
-            proc.wait(timeout=max(0.1, deadline - time.monotonic()))
-    except subprocess.TimeoutExpired:
-        pytest.fail(f"the 2-rank world did not finish within {TIMEOUT_S} s: {_tails(outdir)}")
-    finally:
-        for proc in procs:
-            if proc.poll() is None:
-                os.killpg(proc.pid, signal.SIGKILL)
-                proc.wait()
-        for log in logs:
-            log.close()
-    codes = [proc.returncode for proc in procs]
-    assert codes == [0] * WORLD, f"worker exit codes {codes}: {_tails(outdir)}"
-    return [
-        {name: torch.load(outdir / f"{name}-{r}.pt", weights_only=False) for name in scenarios}
-        for r in range(WORLD)
-    ]
-
-
-def _tails(outdir: Path) -> str:
-    return "\n".join(
-        f"--- {p.name}\n{p.read_text()[-3000:]}" for p in sorted(outdir.glob("log-*.txt"))
-    )
+    return gloo_worlds.run_world(outdir, WORLD, scenarios, WORKER, TIMEOUT_S)
 
 
 @pytest.fixture(scope="module")

@@ -241,19 +241,26 @@ def _upgrade_per_second(
     choices: list[Choice], region_ratio: float, min_sqnr: float, limit: float
 ) -> None:
     while predicted_db(choices, region_ratio) < min_sqnr:
-        best: tuple[float, float, Choice, int] | None = None
-        for c in choices:
-            for i in _allowed(c):
-                gain = c.current.ratio - c.options[i].ratio
-                if gain <= 0 or not _move_ok(c, i, choices, limit):
-                    continue
-                cost = c.options[i].time - c.current.time
-                score = math.inf if cost <= 0 else gain / cost
-                if best is None or (score, gain) > (best[0], best[1]):
-                    best = (score, gain, c, i)
-        if best is None:
+        move = _best_per_second(choices, limit, math.inf)
+        if move is None:
             return
-        _move(best[2], best[3])
+        _move(*move)
+
+
+def _best_per_second(choices: list[Choice], limit: float, room: float) -> tuple[Choice, int] | None:
+    """The move that removes the most error per second added (a move that adds none first),
+    among those that add at most ``room`` seconds."""
+    best: tuple[float, float, Choice, int] | None = None
+    for c in choices:
+        for i in _allowed(c):
+            gain = c.current.ratio - c.options[i].ratio
+            cost = c.options[i].time - c.current.time
+            if gain <= 0 or cost > room or not _move_ok(c, i, choices, limit):
+                continue
+            score = math.inf if cost <= 0 else gain / cost
+            if best is None or (score, gain) > (best[0], best[1]):
+                best = (score, gain, c, i)
+    return None if best is None else (best[2], best[3])
 
 
 def _trim(choices: list[Choice], region_ratio: float, min_sqnr: float, limit: float) -> None:
@@ -283,21 +290,8 @@ def _most_precise(choices: list[Choice], target: Target) -> None:
         c.index = c.start = min(_allowed(c), key=lambda i: (c.options[i].time, c.options[i].ratio))
     _within_limit(choices, target.limit)
     budget = math.inf if target.max_time is None else target.max_time
-    while True:
-        room = budget - total_time(choices)
-        best: tuple[float, float, Choice, int] | None = None
-        for c in choices:
-            for i in _allowed(c):
-                gain = c.current.ratio - c.options[i].ratio
-                cost = c.options[i].time - c.current.time
-                if gain <= 0 or cost > room or not _move_ok(c, i, choices, target.limit):
-                    continue
-                score = math.inf if cost <= 0 else gain / cost
-                if best is None or (score, gain) > (best[0], best[1]):
-                    best = (score, gain, c, i)
-        if best is None:
-            return
-        _move(best[2], best[3])
+    while move := _best_per_second(choices, target.limit, budget - total_time(choices)):
+        _move(*move)
 
 
 # --- words -----------------------------------------------------------------------------------
