@@ -118,16 +118,16 @@ def _open_scope(call: Call, module: nn.Module, eff: Effective, frame: Frame, roo
     stats = fp8_hook.stats_for_scope()
     hp = frame.dtype if frame.enabled else torch.float32
     recipe = get_recipe(eff.rule.recipe)
-    call.scope = fp8_hook.Scope(call.name, recipe, hp, stats, eff.guarded, root)
+    call.scope = fp8_hook.Scope(call.name, recipe, hp, stats, eff.guarded, root, module)
     frame.ran.add(eff.source)
     weights = [*module.parameters(), *module.buffers()]
     tls = TLS
     if tls.mode is None:
-        tls.mode = fp8_hook.Fp8Mode(weights, current_scope, [module])
+        tls.mode = fp8_hook.Fp8Mode(weights, current_scope)
         tls.mode.__enter__()
         call.holds_mode = True
     else:
-        tls.mode.follow(weights, module)
+        tls.mode.follow(weights)
 
 
 def _close(call: Call, frame: Frame | None, output: Any, failed: bool) -> Any:

@@ -17,7 +17,7 @@ an error naming the module and what it called (:func:`close_scope`). The mode tr
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 from typing import Any
 
 import torch
@@ -53,10 +53,11 @@ def can_serve(module_type: type) -> bool:
 
 
 class Scope:
-    """One module call served by a recipe: its name, the stats it records into, and what it did
-    (served matmuls, the calls that took one of its weights). Host sync: none."""
+    """One module call served by a recipe: its name, the stats it records into, the module whose
+    forward runs (its own weights are read again when a call misses them), and what it did (served
+    matmuls, the calls that took one of its weights). Host sync: none."""
 
-    __slots__ = ("called", "guarded", "hp", "model", "name", "recipe", "served", "stats")
+    __slots__ = ("called", "guarded", "hp", "model", "module", "name", "recipe", "served", "stats")
 
     def __init__(
         self,
@@ -66,9 +67,10 @@ class Scope:
         stats: Fp8Stats | None,
         guarded: bool,
         model: object = None,
+        module: nn.Module | None = None,
     ) -> None:
         self.name, self.recipe, self.hp, self.stats = name, recipe, hp, stats
-        self.guarded, self.model = guarded, model
+        self.guarded, self.model, self.module = guarded, model, module
         self.served = 0
         self.called: list[str] = []  # the functions that took one of its weights
 
@@ -144,37 +146,50 @@ class Fp8Mode(TorchFunctionMode):
     Host sync: none.
     """
 
-    def __init__(
-        self,
-        followed: list[torch.Tensor],
-        current: Callable[[], Scope | None],
-        modules: list[nn.Module] | None = None,
-    ) -> None:
+    def __init__(self, followed: list[torch.Tensor], current: Callable[[], Scope | None]) -> None:
         super().__init__()
-        self.followed = followed  # compared with ``is``: traceable, and tied weights need no care
         self.current = current
-        # Modules whose weights are followed as they hold them when the forward runs them: a
-        # module hook that runs after mixprec's (FSDP2's unshard) may swap a parameter in.
-        self.modules = modules or []
+        # Compared with ``is`` (tied weights need no care): by id in eager mode (one lookup per
+        # tensor however many weights a container's rule follows), along the list while Dynamo
+        # traces (it does not trace ``id`` of a tensor); ``listed`` once anything was followed
+        # while tracing (a graph break then runs the rest eagerly).
+        self.followed: list[torch.Tensor] = []
+        self._ids: dict[int, torch.Tensor] = {}
+        self._listed = False
+        self.follow(followed)
 
-    def follow(self, tensors: list[torch.Tensor], module: nn.Module | None = None) -> None:
-        """Follow these tensors too (the parameters of a module whose scope opens), and the
-        weights ``module`` holds at each later call. Host sync: none."""
+    def follow(self, tensors: Iterable[torch.Tensor]) -> None:
+        """Follow these tensors too (the weights of a module whose scope opens). Host sync:
+        none."""
         for t in tensors:
-            if not self._followed(t):
-                self.followed.append(t)
-        if module is not None:
-            self.modules.append(module)
+            if isinstance(t, torch.Tensor) and not self._followed(t):
+                self._add(t)
+
+    def _add(self, t: torch.Tensor) -> None:
+        self.followed.append(t)
+        if torch.compiler.is_compiling():
+            self._listed = True
+        else:
+            self._ids[id(t)] = t
 
     def _followed(self, value: object) -> bool:
         if not isinstance(value, torch.Tensor):
             return False
-        if any(value is t for t in self.followed):
-            return True
-        for module in self.modules:
-            if any(value is t for t in (*module.parameters(), *module.buffers())):
-                self.followed.append(value)
+        if self._listed or torch.compiler.is_compiling():
+            if any(value is t for t in self.followed):
                 return True
+        elif self._ids.get(id(value)) is value:
+            return True
+        # A module hook that runs after mixprec's (FSDP2's unshard) may have swapped one of the
+        # running module's own weights in since its scope opened: read them as it holds them.
+        scope = self.current()
+        module = None if scope is None else scope.module
+        if module is None:
+            return False
+        own = (*module.parameters(recurse=False), *module.buffers(recurse=False))
+        if any(value is t for t in own):
+            self._add(value)
+            return True
         return False
 
     def __torch_function__(
@@ -206,14 +221,8 @@ class Fp8Mode(TorchFunctionMode):
                 return served
         out = func(*args, **kwargs)
         if weight_only:
-            self._follow_output(out)
+            self.follow(out if isinstance(out, (list, tuple)) else [out])
         return out
-
-    def _follow_output(self, out: object) -> None:
-        if isinstance(out, torch.Tensor):
-            self.followed.append(out)
-        elif isinstance(out, (list, tuple)):
-            self.followed.extend(t for t in out if isinstance(t, torch.Tensor))
 
 
 def _arg(args: tuple[Any, ...], kwargs: dict[str, Any], i: int, name: str) -> Any:
