@@ -276,7 +276,7 @@ def _serve_product(
         out = out.mT if b.dim() > 1 else out
         return out if bias is None else out + bias
     if a_weight or b_weight:
-        _refuse(scope.name, f"{label} on a {max(a.dim(), b.dim())}-D weight")
+        _refuse(scope.name, f"{label} on a {(a if a_weight else b).dim()}-D weight")
     return None
 
 
@@ -326,9 +326,18 @@ def served_nothing(scope: Scope, kind: str) -> ConfigError:
     return ConfigError(
         f"module {shown} ({kind}) ran under an fp8-family rule ({scope.recipe.name}) and issued "
         f"no matmul the recipe serves: with its weights it called {called}. fp8 serves "
-        f"{SERVES}. Give it a rule that is not fp8 (e.g. '{scope.name or '<module>'}=bf16'), "
-        "or compute its matmuls with one of those."
+        f"{SERVES}. {_NOT_FOLLOWED} Give it a rule that is not fp8 (e.g. "
+        f"'{scope.name or '<module>'}=bf16'), or compute its matmuls with one of those."
     )
+
+
+_NOT_FOLLOWED = (
+    "A weight operand is followed from the module's parameters and buffers through the torch "
+    "functions this forward runs on them; one computed outside this forward (kept across "
+    "forwards: torch.nn.utils.parametrize.cached(), a tensor saved on the module) or, under "
+    "torch.compile, read through a tensor attribute (.T, .mT, .H, .data: Dynamo does not show "
+    "those to torch function modes; write .t(), .transpose(-2, -1), .detach()) is not."
+)
 
 
 def fits(shape: tuple[int, ...], recipe: Recipe) -> bool:
