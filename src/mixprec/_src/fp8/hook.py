@@ -146,9 +146,15 @@ class Fp8Mode(TorchFunctionMode):
     Host sync: none.
     """
 
-    def __init__(self, followed: list[torch.Tensor], current: Callable[[], Scope | None]) -> None:
+    def __init__(
+        self,
+        followed: list[torch.Tensor],
+        current: Callable[[], Scope | None],
+        on_serve: Callable[[], None] | None = None,
+    ) -> None:
         super().__init__()
         self.current = current
+        self.on_serve = on_serve  # called after each served matmul (eager)
         # Compared with ``is`` (tied weights need no care): by id in eager mode (one lookup per
         # tensor however many weights a container's rule follows), along the list while Dynamo
         # traces (it does not trace ``id`` of a tensor); ``listed`` once anything was followed
@@ -164,6 +170,16 @@ class Fp8Mode(TorchFunctionMode):
         for t in tensors:
             if isinstance(t, torch.Tensor) and not self._followed(t):
                 self._add(t)
+
+    def follow_aliases(self, values: Iterable[object]) -> None:
+        """Follow each tensor of ``values`` that is a followed tensor under another name: the
+        same elements of the same memory (what ``detach()`` gives: a reentrant checkpoint's
+        recomputation receives its arguments detached). Host sync: none."""
+        for v in values:
+            if not isinstance(v, torch.Tensor) or self._followed(v) or v.data_ptr() == 0:
+                continue
+            if any(_same_view(v, t) for t in self.followed):
+                self._add(v)
 
     def _add(self, t: torch.Tensor) -> None:
         self.followed.append(t)
@@ -218,11 +234,22 @@ class Fp8Mode(TorchFunctionMode):
         if scope is not None and not weight_only:
             served = _serve(self, scope, func, args, kwargs)
             if served is not None:
+                if self.on_serve is not None:
+                    self.on_serve()
                 return served
         out = func(*args, **kwargs)
         if weight_only:
             self.follow(out if isinstance(out, (list, tuple)) else [out])
         return out
+
+
+def _same_view(a: torch.Tensor, b: torch.Tensor) -> bool:
+    return (
+        a.data_ptr() == b.data_ptr()
+        and a.dtype == b.dtype
+        and a.shape == b.shape
+        and a.stride() == b.stride()
+    )
 
 
 def _arg(args: tuple[Any, ...], kwargs: dict[str, Any], i: int, name: str) -> Any:
