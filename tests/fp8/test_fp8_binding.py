@@ -176,3 +176,29 @@ def test_nothing_of_a_rule_is_stored_on_the_model() -> None:
     for m in model.modules():
         assert set(vars(m)) == before[id(m)], type(m).__name__
         assert not m._forward_pre_hooks and not m._forward_hooks
+
+
+def test_a_container_rule_reads_weights_in_time_linear_in_its_size(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """The fp8 mode reads module parameters a number of times linear in the modules under a
+    container's rule (it re-read every followed module's subtree at every torch call: quadratic;
+    counted here, not timed)."""
+    reads = [0]
+    named_modules = nn.Module.named_modules
+
+    def counted(self: nn.Module, *args: object, **kwargs: object) -> object:
+        reads[0] += 1
+        return named_modules(self, *args, **kwargs)  # type: ignore[arg-type]
+
+    counts = []
+    for blocks in (4, 8):
+        model = nn.Sequential(nn.Sequential(*[Net(i) for i in range(blocks)]))
+        with torch.no_grad(), mixprec.autocast("cpu", BF16, policy="0=fp8"):
+            model(torch.randn(2, 64))  # names and plans built
+            monkeypatch.setattr(nn.Module, "named_modules", counted)
+            reads[0] = 0
+            model(torch.randn(2, 64))
+            monkeypatch.setattr(nn.Module, "named_modules", named_modules)
+        counts.append(reads[0])
+    assert counts[1] <= 2.2 * counts[0], counts
