@@ -362,8 +362,9 @@ _NOT_FOLLOWED = (
     "A weight operand is followed from the module's parameters and buffers through the torch "
     "functions this forward runs on them; one computed outside this forward (kept across "
     "forwards: torch.nn.utils.parametrize.cached(), a tensor saved on the module) or, under "
-    "torch.compile, read through a tensor attribute (.T, .mT, .H, .data: Dynamo does not show "
-    "those to torch function modes; write .t(), .transpose(-2, -1), .detach()) is not."
+    "torch.compile, read through a tensor attribute Dynamo does not show to torch function "
+    "modes (.data; .T, .mT, .H before torch 2.14: write .detach(), .t(), .transpose(-2, -1)) "
+    "is not."
 )
 
 
