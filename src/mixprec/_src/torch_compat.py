@@ -79,7 +79,7 @@ def version_counter(tensor: torch.Tensor) -> int:
 def tensor_base(tensor: torch.Tensor) -> torch.Tensor | None:
     """``tensor._base``: the tensor ``tensor`` is a view of (None when it owns its storage view:
     autograd's own gradients do). kernels/plan.py tells flat gradient views by it. Checked on
-    2.13.0 and 2.14.1 (CI: 2.12.1 too).
+    2.12.1, 2.13.0 and 2.14.1.
 
     Host sync: none.
     """
@@ -89,7 +89,7 @@ def tensor_base(tensor: torch.Tensor) -> torch.Tensor | None:
 def process_group_device_types(group: Any) -> set[str]:
     """The device types a ``ProcessGroup``'s backends can reduce on (``ProcessGroup.
     _device_types``); raises AttributeError where a torch lacks it (dist/agree.py then asks the
-    backend's name). Checked on 2.13.0 and 2.14.1 (CI: 2.12.1 too).
+    backend's name). Checked on 2.12.1, 2.13.0 and 2.14.1.
 
     Host sync: none.
     """
@@ -380,7 +380,7 @@ dispatch_dump: Callable[[str], str] = torch._C._dispatch_dump
 def torch_custom_fwd_state(ctx: Any) -> tuple[bool, torch.dtype] | None:
     """What ``torch.amp.custom_fwd`` recorded on a Function's ``ctx``: whether autocast was on in
     forward, and its dtype (``ctx._fwd_used_autocast``, ``ctx._dtype``); None for a ``ctx``
-    torch's decorator did not see. Checked on 2.13.0 and 2.14.1 (CI: 2.12.1 too).
+    torch's decorator did not see. Checked on 2.12.1, 2.13.0 and 2.14.1.
 
     Host sync: none.
     """
@@ -397,7 +397,7 @@ def is_compiled_module(module: object) -> bool:
     ``_orig_mod`` is the eager module). The advisor refuses such a module: its taps and
     isolated regions are forward hooks, which a compiled graph traces once and replays.
 
-    Checked on torch 2.13.0 and 2.14.1, CI 2.12.1 (``torch._dynamo.eval_frame.
+    Checked on torch 2.12.1, 2.13.0 and 2.14.1 (``torch._dynamo.eval_frame.
     OptimizedModule``). Nothing is imported: where dynamo was never imported, nothing was
     compiled.
     """
@@ -408,6 +408,6 @@ def is_compiled_module(module: object) -> bool:
 
 #: The private base classes of torch's batch and instance norms and of its convolutions, which
 #: the advisor recognizes by (``nn.modules.batchnorm._NormBase``, ``nn.modules.conv._ConvNd``).
-#: Checked on 2.13.0 and 2.14.1 (CI: 2.12.1 too).
+#: Checked on 2.12.1, 2.13.0 and 2.14.1.
 NORM_BASE: type[_NormBase] = _NormBase
 CONV_BASE: type[_ConvNd] = _ConvNd
