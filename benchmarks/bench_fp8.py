@@ -13,10 +13,11 @@ Time: forward+backward per configuration, printed relative to fp32, to bf16 auto
 torchao's emulated path on the same recipe. Eager: side by side in one process (shuffled rounds,
 medians). ``torch.compile``d (inductor): each configuration in a process of its own (one
 configuration's compiled code, Dynamo caches and allocations cannot slow another's), ``--repeats``
-processes per configuration in shuffled order, the median of their medians; then mixprec's
-compiled time over torchao's, per recipe. On a CUDA device with the kernels mixprec takes
-the hardware path; on the CPU low precision is a numerics simulator and its speed is that of
-emulation.
+processes per configuration in shuffled order, the median of their medians; then mixprec's compiled
+time over torchao's, per recipe: the median of the ratios of mixprec's and torchao's processes run
+back to back (the load of a shared machine drifts over minutes; pairs cancel it). On a CUDA device
+with the kernels mixprec takes the hardware path; on the CPU low precision is a numerics simulator
+and its speed is that of emulation.
 
 Run: ``python benchmarks/bench_fp8.py [--rounds 7] [--repeats 3] [--device cpu|cuda]
 [--no-compile] [--recipes tensorwise,rowwise,rowwise_gw_hp,blockwise,mxfp8,nvfp4] [--batch 256]
@@ -186,13 +187,17 @@ def timing(
     return {k: statistics.median(v) for k, v in times.items()}
 
 
-def time_table(med: dict[str, float], label: str) -> list[str]:
+def time_table(
+    med: dict[str, float], label: str, paired: dict[str, float] | None = None
+) -> list[str]:
+    """The rows of one mode; ``paired``: mixprec over torchao per recipe, measured in pairs."""
     rows = []
     for name, t in med.items():
         rel_ao = ""
         theirs = med.get("torchao " + name.split()[-1])
         if name.startswith("mixprec ") and theirs is not None:
-            rel_ao = f"{t / theirs:.2f}"
+            ratio = t / theirs if paired is None else paired[name.split()[-1]]
+            rel_ao = f"{ratio:.2f}"
         rows.append(
             f"| {label:<8} | {name:<22} | {t * 1e3:9.1f} | {t / med['fp32']:6.2f} | "
             f"{t / med['bf16 autocast']:6.2f} | {rel_ao:>10} |"
@@ -242,34 +247,53 @@ def main(argv: list[str] | None = None) -> int:
     confs = configurations(model, device, recipes)
     eager = timing(confs, x, target, args.rounds, sync)
     print("\n".join(time_table(eager, "eager")), flush=True)
-    modes = {"eager": eager}
+    ours = [r for r in recipes if r in TORCHAO_NAME]
+    modes = {"eager": {r: eager[f"mixprec {r}"] / eager[f"torchao {r}"] for r in ours}}
     if not args.no_compile:
         names = list(confs)
-        modes["compiled"] = _in_processes(names, argv if argv is not None else sys.argv[1:], args)
-        print("\n".join(time_table(modes["compiled"], "compiled")))
-    print("\nmixprec's time over torchao's on the same recipe (goal: at most 1)")
-    for mode, med in modes.items():
-        for r in recipes:
-            if f"torchao {r}" in med:
-                ratio = med[f"mixprec {r}"] / med[f"torchao {r}"]
-                print(f"- {mode} {r}: {ratio:.2f}x ({'met' if ratio <= 1 else 'NOT met'})")
+        med, paired = _in_processes(names, argv if argv is not None else sys.argv[1:], args)
+        print("\n".join(time_table(med, "compiled", paired)))
+        modes["compiled"] = paired
+    print(
+        "\nmixprec's time over torchao's on the same recipe (goal: at most 1; compiled: the "
+        f"median over {args.repeats} pairs of processes run back to back)"
+    )
+    for mode, by_recipe in modes.items():
+        for r, ratio in by_recipe.items():
+            print(f"- {mode} {r}: {ratio:.2f}x ({'met' if ratio <= 1 else 'NOT met'})")
     return 0
 
 
-def _in_processes(names: list[str], argv: list[str], args: argparse.Namespace) -> dict[str, float]:
-    """Each compiled configuration timed in a fresh process, ``args.repeats`` times (the order
-    shuffled per repeat): the median over processes of each process's median."""
+def _in_processes(
+    names: list[str], argv: list[str], args: argparse.Namespace
+) -> tuple[dict[str, float], dict[str, float]]:
+    """Each compiled configuration timed in a fresh process, ``args.repeats`` times: the median
+    over processes of each process's median; and per recipe with a torchao row, the median over
+    repeats of mixprec's time over torchao's, the two processes run back to back (in shuffled
+    order), so that the load of a shared machine, which drifts over minutes, cancels."""
     runs: dict[str, list[float]] = {name: [] for name in names}
-    order = list(names)
+    recipes = [n.split()[1] for n in names if n.startswith("mixprec ")]
+    recipes = [r for r in recipes if f"torchao {r}" in names]
+    groups = [[f"mixprec {r}", f"torchao {r}"] for r in recipes]
+    groups += [[n] for n in names if not any(n in g for g in groups)]
     for _ in range(args.repeats):
-        random.shuffle(order)
-        for name in order:
-            cmd = [sys.executable, __file__, *argv, "--only-compiled", name]
-            done = subprocess.run(cmd, capture_output=True, text=True)
-            if done.returncode != 0:
-                raise SystemExit(f"{name} (compiled) failed:\n{done.stderr[-3000:]}")
-            runs[name].append(float(done.stdout.split()[-1]))
-    return {name: statistics.median(runs[name]) for name in names}
+        random.shuffle(groups)
+        for group in groups:
+            for name in random.sample(group, len(group)):
+                runs[name].append(_child_time(name, argv))
+    paired = {}
+    for r in recipes:
+        pairs = zip(runs[f"mixprec {r}"], runs[f"torchao {r}"], strict=True)
+        paired[r] = statistics.median(m / t for m, t in pairs)
+    return {name: statistics.median(runs[name]) for name in names}, paired
+
+
+def _child_time(name: str, argv: list[str]) -> float:
+    cmd = [sys.executable, __file__, *argv, "--only-compiled", name]
+    done = subprocess.run(cmd, capture_output=True, text=True)
+    if done.returncode != 0:
+        raise SystemExit(f"{name} (compiled) failed:\n{done.stderr[-3000:]}")
+    return float(done.stdout.split()[-1])
 
 
 def _child(

@@ -221,6 +221,9 @@ TORCH_PRIVATE_ATTRS = {
     "_global_forward_hooks",
     "_global_forward_pre_hooks",
     "_step_supports_amp_scaling",
+    "_base",
+    "_fwd_used_autocast",
+    "_device_types",
 }
 PRIVATE_TORCH_ALLOWED = {
     "mixprec._src.torch_compat": "the one module that holds them",
@@ -231,14 +234,22 @@ def _private(parts: list[str]) -> bool:
     return any(p.startswith("_") and not (p.startswith("__") and p.endswith("__")) for p in parts)
 
 
+# The names the package binds to torch modules (``from torch import nn``, ``import
+# torch.nn.functional as F``): a chain from one of them is a chain into torch.
+TORCH_ROOTS = {"torch": [], "nn": ["nn"], "F": ["nn", "functional"]}
+
+
 def _chain(node: ast.Attribute) -> list[str] | None:
-    """``torch.a.b`` as ``["a", "b"]``; None when the chain does not start at the name torch."""
+    """``torch.a.b`` (or ``nn.a.b``) as ``["a", "b"]`` (``["nn", "a", "b"]``); None when the
+    chain does not start at a name bound to torch."""
     parts: list[str] = []
     cur: ast.expr = node
     while isinstance(cur, ast.Attribute):
         parts.append(cur.attr)
         cur = cur.value
-    return parts[::-1] if isinstance(cur, ast.Name) and cur.id == "torch" else None
+    if not isinstance(cur, ast.Name) or cur.id not in TORCH_ROOTS:
+        return None
+    return TORCH_ROOTS[cur.id] + parts[::-1]
 
 
 def private_torch_uses(source: str) -> list[str]:
@@ -279,6 +290,7 @@ def test_the_private_torch_scan_finds_each_form() -> None:
         "torch._foreach_mul_(a, b)\n"
         "y = t._version\nz = getattr(o, '_step_supports_amp_scaling')\n"
         "ok = torch.__version__, self._version, torch.nn.functional.linear\n"
+        "n = nn.modules.conv._ConvNd, t._base\n"
     )
     assert private_torch_uses(source) == [
         "2: torch._dynamo",
@@ -287,6 +299,8 @@ def test_the_private_torch_scan_finds_each_form() -> None:
         "5: torch._foreach_mul_",
         "6: <object>._version",
         "7: <object>._step_supports_amp_scaling",
+        "9: <object>._base",
+        "9: torch.nn.modules.conv._ConvNd",
     ]
 
 

@@ -220,6 +220,24 @@ def test_every_entry_of_the_section_is_checked_here() -> None:
     assert sorted(unchecked) == []
 
 
+def test_tensor_base_is_the_tensor_viewed() -> None:
+    x = torch.zeros(4, 3)
+    assert tc.tensor_base(x) is None
+    assert tc.tensor_base(x[1]) is x and tc.tensor_base(x.view(-1)) is x
+    y = torch.ones(3, requires_grad=True)
+    (y * 2).sum().backward()
+    assert y.grad is not None and tc.tensor_base(y.grad) is None  # autograd's own grad
+
+
+def test_norm_and_conv_bases_are_torchs() -> None:
+    norms = (torch.nn.BatchNorm1d, torch.nn.BatchNorm2d, torch.nn.InstanceNorm3d)
+    assert all(issubclass(c, tc.NORM_BASE) for c in norms)
+    assert not issubclass(torch.nn.LayerNorm, tc.NORM_BASE)
+    convs = (torch.nn.Conv1d, torch.nn.Conv3d, torch.nn.ConvTranspose2d)
+    assert all(issubclass(c, tc.CONV_BASE) for c in convs)
+    assert not issubclass(torch.nn.Linear, tc.CONV_BASE)
+
+
 def test_aten_unsafe_view_is_a_view_op() -> None:
     x = torch.arange(6.0)
     y = tc.aten_unsafe_view(x, [2, 3])
@@ -304,6 +322,7 @@ def test_fsdp2_entries_on_a_one_rank_world() -> None:
         assert not tc.fsdp_unsupported(weight) and tc.fsdp_extension_ready(weight)
         assert not tc.fsdp_keeps_unsharded(group)  # resharded after forward
         assert tc.fsdp_keeps_unsharded(tc.fsdp_param_group(model))  # the root keeps its own
+        assert "cpu" in tc.process_group_device_types(dist.group.WORLD)  # gloo reduces there
         seen = []
 
         def pre(mesh: Any, outer_size: Any, outer_stride: Any, module: Any, mp_policy: Any) -> Any:

@@ -4,6 +4,7 @@ the torch this runs under (what it returns, and that it still finds what mixprec
 from __future__ import annotations
 
 import sys
+from typing import Any
 
 import torch
 from torch.overrides import TorchFunctionMode
@@ -96,3 +97,26 @@ def test_dispatch_registry_names_the_autocast_kernels() -> None:
     assert "aten::mm" in names
     assert "\nAutocastCPU: registered at" in "\n" + tc.dispatch_dump("aten::mm")
     assert "\nAutocastCPU: registered at" not in "\n" + tc.dispatch_dump("aten::relu")
+
+
+def test_torch_custom_fwd_state_reads_what_torchs_decorator_records() -> None:
+    seen = []
+
+    class Double(torch.autograd.Function):
+        @staticmethod
+        @torch.amp.custom_fwd(device_type="cpu")
+        def forward(ctx: Any, x: torch.Tensor) -> torch.Tensor:
+            seen.append(tc.torch_custom_fwd_state(ctx))
+            return x * 2
+
+        @staticmethod
+        @torch.amp.custom_bwd(device_type="cpu")
+        def backward(ctx: Any, grad: torch.Tensor) -> torch.Tensor:
+            return grad * 2
+
+    x = torch.ones(2, requires_grad=True)
+    with torch.autocast("cpu", dtype=torch.float16):
+        Double.apply(x)
+    Double.apply(x)
+    assert seen == [(True, torch.float16), (False, torch.get_autocast_dtype("cpu"))]
+    assert tc.torch_custom_fwd_state(object()) is None

@@ -17,6 +17,7 @@ from typing import Any
 
 import pytest
 import torch
+from tests import fp8_oracle
 from torch import nn
 from torch.utils._python_dispatch import TorchDispatchMode
 
@@ -55,7 +56,9 @@ def run(fn: Any, x: torch.Tensor, g: torch.Tensor, params: list[torch.Tensor]) -
 
 @pytest.mark.parametrize("hp", [torch.float32, torch.bfloat16, torch.float16])
 @pytest.mark.parametrize("recipe", FLOAT8)
-def test_bitwise_equal_to_torchao_emulated(recipe: str, hp: torch.dtype) -> None:
+@pytest.mark.parametrize("ours", ["fp8_linear", "the harness's oracle"])
+def test_bitwise_equal_to_torchao_emulated(recipe: str, hp: torch.dtype, ours: str) -> None:
+    """fp8_linear, and the oracle of the #32 harness (tests/fp8_oracle.py), against torchao."""
     torch.manual_seed(0)
     lin = nn.Linear(64, 48)
     ref = torchao_linear(lin, recipe)
@@ -64,7 +67,13 @@ def test_bitwise_equal_to_torchao_emulated(recipe: str, hp: torch.dtype) -> None
     g = torch.randn(4, 8, 48).to(hp) * 1e-3
     want = run(ref, x, g, [ref[0].weight, ref[0].bias])
     plan = Plan(get_recipe(recipe), hp, scaled_mm=False)
-    got = run(lambda t: fp8_linear(t, lin.weight, lin.bias, plan), x, g, [lin.weight, lin.bias])
+
+    def linear(t: torch.Tensor) -> torch.Tensor:
+        if ours == "fp8_linear":
+            return fp8_linear(t, lin.weight, lin.bias, plan)
+        return fp8_oracle.linear(t, lin.weight, lin.bias, recipe, hp)
+
+    got = run(linear, x, g, [lin.weight, lin.bias])
     for name, a, b in zip(
         ("output", "grad_input", "grad_weight", "grad_bias"), got, want, strict=True
     ):

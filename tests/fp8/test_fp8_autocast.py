@@ -41,10 +41,14 @@ def test_a_class_rule_that_serves_no_module_in_the_region_is_refused() -> None:
 
 
 def test_a_class_rule_counts_the_modules_of_every_model_run_in_the_region() -> None:
+    """The convnet alone is refused (above); beside an MLP in the same region the rule served
+    the MLP's Linear, so the region exits without a word."""
     convnet, mlp = nn.Sequential(nn.Conv1d(4, 4, 1)), nn.Sequential(nn.Linear(4, 4))
-    with region("nn.Linear=fp8"):
+    stats = mixprec.Fp8Stats()
+    with stats, region("nn.Linear=fp8"):
         convnet(torch.randn(2, 4, 3))
         mlp(torch.randn(2, 4))
+    assert stats.names == ["0"] and stats.read()["0"].input.elements == 2 * 4
 
 
 @pytest.mark.slow

@@ -1,7 +1,8 @@
 """Rules bound to the forward that runs them (#32 items 1, 3, 4): float32 regions, zero-sized
 Linears, Fp8Stats by model and under reentrant checkpointing, other threads, nothing on modules.
 
-Oracles are the recipe's own function (``fp8_linear`` with a ``Plan``), called here directly."""
+The oracle is the recipe's casts written out (tests/fp8_oracle.py), independent of the code under
+test."""
 
 from __future__ import annotations
 
@@ -10,12 +11,11 @@ import threading
 import pytest
 import torch
 import torch.nn.functional as F
+from tests import fp8_oracle
 from torch import nn
 from torch.utils.checkpoint import checkpoint
 
 import mixprec
-from mixprec._src.fp8.matmul import Plan, fp8_linear
-from mixprec._src.fp8.recipes import get_recipe
 from mixprec.errors import ConfigError
 
 BF16 = torch.bfloat16
@@ -36,9 +36,7 @@ def test_a_float32_region_runs_fp8_rules_with_float32_around(rule: str) -> None:
     policy = f"nn.Linear={rule}, nn.LayerNorm=bf16"
     with mixprec.autocast("cpu", torch.float32, policy=policy):
         got = norm(lin(x))
-    want = norm(
-        fp8_linear(x, lin.weight, lin.bias, Plan(get_recipe(_recipe(rule)), torch.float32, False))
-    )
+    want = norm(fp8_oracle.linear(x, lin.weight, lin.bias, _recipe(rule), torch.float32))
     assert got.dtype == torch.float32 and torch.equal(got, want)
     with mixprec.autocast("cpu", torch.float32):
         assert torch.equal(norm(lin(x)), norm(F.linear(x, lin.weight, lin.bias)))
@@ -161,11 +159,11 @@ def test_a_nested_region_binds_its_own_policy_inside_a_forward() -> None:
     model, x = Outer(), torch.randn(8, 64)
     with mixprec.autocast("cpu", BF16, policy="nn.Linear=fp8"):
         got = model(x)
-    plan = Plan(get_recipe("tensorwise"), BF16, False)
+    net = model.net
     with torch.autocast("cpu", BF16, cache_enabled=False):
-        inner = F.linear(x, model.net.head.weight, model.net.head.bias)
-        h = torch.relu(fp8_linear(x, model.net.fc.weight, model.net.fc.bias, plan))
-        want = fp8_linear(h, model.net.head.weight, model.net.head.bias, plan) + inner
+        inner = F.linear(x, net.head.weight, net.head.bias)
+        h = torch.relu(fp8_oracle.linear(x, net.fc.weight, net.fc.bias, "tensorwise", BF16))
+        want = fp8_oracle.linear(h, net.head.weight, net.head.bias, "tensorwise", BF16) + inner
     assert torch.equal(got, want)
 
 
@@ -178,3 +176,29 @@ def test_nothing_of_a_rule_is_stored_on_the_model() -> None:
     for m in model.modules():
         assert set(vars(m)) == before[id(m)], type(m).__name__
         assert not m._forward_pre_hooks and not m._forward_hooks
+
+
+def test_a_container_rule_reads_weights_in_time_linear_in_its_size(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """The fp8 mode reads module parameters a number of times linear in the modules under a
+    container's rule (it re-read every followed module's subtree at every torch call: quadratic;
+    counted here, not timed)."""
+    reads = [0]
+    named_modules = nn.Module.named_modules
+
+    def counted(self: nn.Module, *args: object, **kwargs: object) -> object:
+        reads[0] += 1
+        return named_modules(self, *args, **kwargs)  # type: ignore[arg-type]
+
+    counts = []
+    for blocks in (4, 8):
+        model = nn.Sequential(nn.Sequential(*[Net(i) for i in range(blocks)]))
+        with torch.no_grad(), mixprec.autocast("cpu", BF16, policy="0=fp8"):
+            model(torch.randn(2, 64))  # names and plans built
+            monkeypatch.setattr(nn.Module, "named_modules", counted)
+            reads[0] = 0
+            model(torch.randn(2, 64))
+            monkeypatch.setattr(nn.Module, "named_modules", named_modules)
+        counts.append(reads[0])
+    assert counts[1] <= 2.2 * counts[0], counts

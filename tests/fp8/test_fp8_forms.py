@@ -1,47 +1,36 @@
-"""The differential harness of #32: module forms x fp8-family rules x eager / checkpointed
-(reentrant, non-reentrant) / compiled x interleaved policies.
-
-Each case runs a form under a policy whose rule reaches it, bitwise against the oracle: the same
-computation written with the recipe's own function (``fp8_linear`` and a ``Plan``, called here,
-not through autocast) on the weight as the form computes it, or a ConfigError naming the module;
-never the region's plain dtype (the forms' oracles differ from plain bf16, checked once per form).
-
-Interleaving: each case runs two forwards of the same model under two policies (the case's rule,
-then the next rule of the list), then the first backward, then the second, each compared with its
-oracle (reentrant checkpointing recomputes in the first backward: the first forward's rule must
-come back, not the latest). ``torch.compile`` (aot_eager) runs a representative subset (four forms,
-two recipes each), compiled once per form.
+"""The differential harness of #32 over the module forms the issue lists: each form x every
+fp8-family rule x eager / checkpointed (reentrant, non-reentrant) / compiled x interleaved
+policies, bitwise the oracle (the recipe's casts written out in tests/fp8_oracle.py, the form's
+matmuls written by hand in its ``oracle``), or a ConfigError naming the module; never the region's
+plain dtype. How a case runs: tests/fp8_harness.py. The adversarial variants beyond this list:
+tests/fp8/test_fp8_variants.py.
 """
 
 from __future__ import annotations
 
-import copy
 from collections.abc import Callable
-from typing import Any
 
 import pytest
 import torch
 import torch.nn.functional as F
+from tests.fp8_harness import (
+    BF16,
+    COMPILE_WARNING,
+    HOWS,
+    RULES,
+    D,
+    Linear,
+    assert_not_plain,
+    compile_once,
+    interleaved,
+    make_input,
+    unique_graphs,
+)
 from torch import nn
 from torch.nn.utils.parametrizations import weight_norm
-from torch.utils.checkpoint import checkpoint
 
 import mixprec
-from mixprec._src.fp8.matmul import Plan, fp8_linear
-from mixprec._src.fp8.recipes import get_recipe
 from mixprec.errors import ConfigError
-
-BF16 = torch.bfloat16
-D = 128  # every recipe's blocks tile it (128x128 weight blocks of fp8:blockwise)
-RULES = {
-    "fp8": "tensorwise",
-    "fp8:rowwise": "rowwise",
-    "fp8:rowwise_gw_hp": "rowwise_gw_hp",
-    "fp8:blockwise": "blockwise",
-    "mxfp8": "mxfp8",
-    "nvfp4": "nvfp4",
-}
-Linear = Callable[[torch.Tensor, torch.Tensor, torch.Tensor | None], torch.Tensor]
 
 
 # ---------------------------------------------------------------- the forms
@@ -228,90 +217,27 @@ FORMS: dict[str, tuple[Callable[[], nn.Module], Callable[[str], str]]] = {
 }
 
 
-def _policy(form: str, rule: str) -> mixprec.Policy:
-    spec = FORMS[form][1](rule)
-    if "Conv1D" in spec:  # a class outside torch.nn: the class itself
-        return mixprec.Policy(modules={Conv1D: rule})
-    return mixprec.Policy(spec)
+def _policy_for(form: str) -> Callable[[str], mixprec.Policy]:
+    def policy(rule: str) -> mixprec.Policy:
+        spec = FORMS[form][1](rule)
+        if "Conv1D" in spec:  # a class outside torch.nn: the class itself
+            return mixprec.Policy(modules={Conv1D: rule})
+        return mixprec.Policy(spec)
+
+    return policy
 
 
-# ---------------------------------------------------------------- running a case
-def _run(model: nn.Module, x: torch.Tensor, how: str) -> torch.Tensor:
-    if how == "eager":
-        return model(x)
-    return checkpoint(model, x, use_reentrant=how == "reentrant")
-
-
-def _grads(model: nn.Module, x: torch.Tensor, out: torch.Tensor, seed: int) -> list[torch.Tensor]:
-    for p in model.parameters():
-        p.grad = None
-    torch.manual_seed(seed)  # nvfp4 rounds gradients stochastically: the same draws
-    out.float().square().mean().backward()
-    assert x.grad is not None
-    grads = [out.detach(), x.grad]
-    return grads + [p.grad.clone() for p in model.parameters() if p.grad is not None]
-
-
-def _oracle(model: nn.Module, x: torch.Tensor, recipe: str, seed: int) -> list[torch.Tensor]:
-    plan = Plan(get_recipe(recipe), BF16, scaled_mm=False)
-
-    def lin(inp: torch.Tensor, w: torch.Tensor, b: torch.Tensor | None) -> torch.Tensor:
-        return fp8_linear(inp, w, b, plan)
-
-    with torch.autocast("cpu", BF16, cache_enabled=False):
-        out = model.oracle(x, lin)  # type: ignore[operator]
-    return _grads(model, x, out, seed)
-
-
-def _input(seed: int) -> torch.Tensor:
-    torch.manual_seed(seed)
-    return torch.randn(2, 4, D).requires_grad_()
-
-
-def _assert_bitwise(got: list[torch.Tensor], want: list[torch.Tensor], what: str) -> None:
-    assert len(got) == len(want), what
-    for i, (a, b) in enumerate(zip(got, want, strict=True)):
-        assert a.dtype == b.dtype, f"{what}: tensor {i} is {a.dtype}, the oracle gives {b.dtype}"
-        assert torch.equal(a, b), f"{what}: tensor {i} differs from the oracle"
-
-
-def _interleaved(form: str, rule: str, how: str, model: Any = None) -> None:
-    """Forward under ``rule``, forward under the next rule, backward of each, vs the oracles."""
-    torch.manual_seed(0)
-    base = FORMS[form][0]()
-    model = base if model is None else model(base)
-    rules = list(RULES)
-    second = rules[(rules.index(rule) + 1) % len(rules)]
-    x1, x2 = _input(1), _input(2)
-    outs = []
-    for r, x in ((rule, x1), (second, x2)):
-        with mixprec.autocast("cpu", BF16, policy=_policy(form, r)):
-            outs.append(_run(model, x, how))
-    got1 = _grads(base, x1, outs[0], 11)
-    got2 = _grads(base, x2, outs[1], 12)
-    want1 = _oracle(base, _input(1), RULES[rule], 11)
-    want2 = _oracle(base, _input(2), RULES[second], 12)
-    _assert_bitwise(got1, want1, f"{form} under {rule} ({how}, interleaved with {second})")
-    _assert_bitwise(got2, want2, f"{form} under {second} ({how}, after {rule})")
-
-
-@pytest.mark.parametrize("how", ["eager", "reentrant", "non-reentrant"])
+@pytest.mark.parametrize("how", HOWS)
 @pytest.mark.parametrize("form", list(FORMS))
 def test_each_form_runs_each_recipe_as_its_oracle(form: str, how: str) -> None:
     for rule in RULES:
-        _interleaved(form, rule, how)
+        interleaved(FORMS[form][0], _policy_for(form), rule, how)
 
 
 @pytest.mark.parametrize("form", list(FORMS))
 def test_the_oracle_is_not_the_plain_region(form: str) -> None:
     """The oracles differ from the region's plain dtype, so a rule doing nothing would fail."""
-    torch.manual_seed(0)
-    model = FORMS[form][0]()
-    plain = copy.deepcopy(model)
-    with torch.autocast("cpu", BF16, cache_enabled=False):
-        want = plain(_input(1))
-    got = _oracle(model, _input(1), "tensorwise", 0)[0]
-    assert not torch.equal(got, want.detach())
+    assert_not_plain(FORMS[form][0])
 
 
 @pytest.mark.parametrize("rule", list(RULES))
@@ -346,38 +272,20 @@ def test_the_tied_weight_is_recorded_under_the_module_that_calls_it() -> None:
     model = Tied(D)
     stats = mixprec.Fp8Stats()
     with stats, mixprec.autocast("cpu", BF16, policy="body=mxfp8, body.b=bf16"):
-        out = model(_input(1))
+        out = model(make_input(1))
     out.float().sum().backward()
     assert stats.names == ["body.a"]
     assert stats.read()["body.a"].grad_output.elements > 0
 
 
 # ---------------------------------------------------------------- compiled
-COMPILED = {
-    "linear": "fp8",
-    "x@W.t()": "mxfp8",
-    "conv1d-addmm": "fp8:rowwise",
-    "tied-exception": "nvfp4",
-}
-
-
 @pytest.mark.slow
-@pytest.mark.filterwarnings("ignore:Using `torch.compile\\(module\\)` when there are global")
-@pytest.mark.parametrize("form", list(COMPILED))
-def test_compiled_forms_run_each_recipe_as_their_oracle(form: str) -> None:
-    """One compiled wrapper per form, two recipes through it (a policy switch), aot_eager."""
-    import torch._dynamo
-
-    torch._dynamo.reset()
-    compiled: dict[str, Any] = {}
-
-    def compile_once(model: nn.Module) -> Any:
-        if "fn" not in compiled:
-            compiled["fn"] = torch.compile(model, backend="aot_eager")
-        return compiled["fn"]
-
-    from torch._dynamo.utils import counters
-
-    before = counters["stats"]["unique_graphs"]
-    _interleaved(form, COMPILED[form], "eager", model=compile_once)
-    assert counters["stats"]["unique_graphs"] > before  # it did compile
+@pytest.mark.filterwarnings(COMPILE_WARNING)
+@pytest.mark.parametrize("form", list(FORMS))
+def test_compiled_forms_run_recipes_as_their_oracle(form: str) -> None:
+    """One compiled wrapper per form (aot_eager), two recipes through it (a policy switch): the
+    form's place in FORMS picks the first, so every rule is the first of two forms at least."""
+    rule = list(RULES)[list(FORMS).index(form) % len(RULES)]
+    before = unique_graphs()
+    interleaved(FORMS[form][0], _policy_for(form), rule, "eager", wrap=compile_once())
+    assert unique_graphs() > before  # it did compile

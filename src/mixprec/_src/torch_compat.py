@@ -19,6 +19,8 @@ import torch
 import torch.utils._pytree as _pytree
 import torch.utils.checkpoint as _checkpoint
 from torch._compile import _disable_dynamo
+from torch.nn.modules.batchnorm import _NormBase
+from torch.nn.modules.conv import _ConvNd
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_leaves
 
@@ -73,6 +75,26 @@ def version_counter(tensor: torch.Tensor) -> int:
     Host sync: none.
     """
     return int(tensor._version)
+
+
+def tensor_base(tensor: torch.Tensor) -> torch.Tensor | None:
+    """``tensor._base``: the tensor ``tensor`` is a view of (None when it owns its storage view:
+    autograd's own gradients do). kernels/plan.py tells flat gradient views by it. Checked on
+    2.12.1, 2.13.0 and 2.14.1.
+
+    Host sync: none.
+    """
+    return tensor._base
+
+
+def process_group_device_types(group: Any) -> set[str]:
+    """The device types a ``ProcessGroup``'s backends can reduce on (``ProcessGroup.
+    _device_types``); raises AttributeError where a torch lacks it (dist/agree.py then asks the
+    backend's name). Checked on 2.12.1, 2.13.0 and 2.14.1.
+
+    Host sync: none.
+    """
+    return {d.type for d in group._device_types}
 
 
 def steps_with_amp_scaling(optimizer: Any) -> bool:
@@ -356,6 +378,18 @@ dispatch_op_names: Callable[[], list[str]] = torch._C._dispatch_get_all_op_names
 dispatch_dump: Callable[[str], str] = torch._C._dispatch_dump
 
 
+def torch_custom_fwd_state(ctx: Any) -> tuple[bool, torch.dtype] | None:
+    """What ``torch.amp.custom_fwd`` recorded on a Function's ``ctx``: whether autocast was on in
+    forward, and its dtype (``ctx._fwd_used_autocast``, ``ctx._dtype``); None for a ``ctx``
+    torch's decorator did not see. Checked on 2.12.1, 2.13.0 and 2.14.1.
+
+    Host sync: none.
+    """
+    if not hasattr(ctx, "_fwd_used_autocast"):
+        return None
+    return bool(ctx._fwd_used_autocast), ctx._dtype
+
+
 # ---------------------------------------------------------------- the advisor
 
 
@@ -364,8 +398,9 @@ def is_compiled_module(module: object) -> bool:
     ``_orig_mod`` is the eager module). The advisor refuses such a module: its modules are
     named ``_orig_mod.<name>``, where a policy names them without it.
 
-    Checked on torch 2.4-2.13 (``torch._dynamo.eval_frame.OptimizedModule``). Nothing is
-    imported: where dynamo was never imported, nothing was compiled.
+    Checked on torch 2.12.1, 2.13.0 and 2.14.1 (``torch._dynamo.eval_frame.
+    OptimizedModule``). Nothing is imported: where dynamo was never imported, nothing was
+    compiled.
     """
     eval_frame = sys.modules.get("torch._dynamo.eval_frame")
     optimized = getattr(eval_frame, "OptimizedModule", None)
@@ -386,3 +421,10 @@ def compiled_runs_eagerly() -> contextlib.AbstractContextManager[Any]:
     if "torch._dynamo" not in sys.modules:
         return contextlib.nullcontext()
     return torch.compiler.set_stance("force_eager")
+
+
+#: The private base classes of torch's batch and instance norms and of its convolutions, which
+#: the advisor recognizes by (``nn.modules.batchnorm._NormBase``, ``nn.modules.conv._ConvNd``).
+#: Checked on 2.12.1, 2.13.0 and 2.14.1.
+NORM_BASE: type[_NormBase] = _NormBase
+CONV_BASE: type[_ConvNd] = _ConvNd

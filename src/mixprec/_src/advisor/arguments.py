@@ -31,7 +31,7 @@ from mixprec._src.advisor.choose.search import OBJECTIVES
 from mixprec._src.autocast.rules import Rule, format_dtype
 from mixprec._src.fp8 import hook as fp8_hook
 from mixprec._src.fp8.recipes import RECIPES, get_recipe
-from mixprec._src.torch_compat import is_compiled_module
+from mixprec._src.torch_compat import NORM_BASE, is_compiled_module
 from mixprec.errors import ConfigError
 
 LOSS_FORM = (
@@ -339,7 +339,7 @@ def check_served(cands: Sequence[Candidate], chosen: Sequence[tuple[str, nn.Modu
 # Modules that autocast already runs in float32 or that do no arithmetic worth lowering: they
 # are left out of the default selection (name them in ``modules=`` to measure them anyway).
 _SKIPPED: tuple[type[nn.Module], ...] = (
-    nn.modules.batchnorm._NormBase,
+    NORM_BASE,
     nn.LayerNorm,
     nn.GroupNorm,
     nn.LocalResponseNorm,

@@ -131,7 +131,9 @@ class Call:
         copy.island, copy.replayed, copy.kind = self.island, True, self.kind
         if self.scope is not None:
             s = self.scope
-            copy.scope = fp8_hook.Scope(s.name, s.recipe, s.hp, s.stats, False, s.model, s.label)
+            copy.scope = fp8_hook.Scope(
+                s.name, s.recipe, s.hp, s.stats, False, s.model, label=s.label
+            )
         return copy
 
 

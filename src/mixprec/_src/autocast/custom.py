@@ -21,7 +21,7 @@ from torch.autograd.function import FunctionCtx
 
 from mixprec._src.autocast.casting import cast_tree, run_without_autocast
 from mixprec._src.autocast.native import default_device_type, resolve_device_type
-from mixprec._src.torch_compat import pytree_leaves
+from mixprec._src.torch_compat import pytree_leaves, torch_custom_fwd_state
 from mixprec.errors import ConfigError
 
 _ATTR = "_mixprec_fwd_state"
@@ -223,9 +223,9 @@ def _state_of(ctx: Any, device_type: str | torch.device | None) -> _FwdState:
     if state is None:
         bind_pending()
         state = _BOUND.get(ctx)
-    if state is None and hasattr(ctx, "_fwd_used_autocast") and device_type is not None:
-        dev = resolve_device_type(device_type)
-        state = _FwdState(dev, bool(ctx._fwd_used_autocast), ctx._dtype)
+    torch_state = torch_custom_fwd_state(ctx)
+    if state is None and torch_state is not None and device_type is not None:
+        state = _FwdState(resolve_device_type(device_type), *torch_state)
     if state is None:
         raise ConfigError(
             "mixprec.custom_bwd found no autocast state from forward: decorate the Function's "

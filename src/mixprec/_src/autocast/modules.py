@@ -118,16 +118,27 @@ def _open_scope(call: Call, module: nn.Module, eff: Effective, frame: Frame, roo
     stats = fp8_hook.stats_for_scope()
     hp = frame.dtype if frame.enabled else torch.float32
     recipe = get_recipe(eff.rule.recipe)
-    call.scope = fp8_hook.Scope(call.name, recipe, hp, stats, eff.guarded, root)
+    call.scope = fp8_hook.Scope(call.name, recipe, hp, stats, eff.guarded, root, module)
     frame.ran.add(eff.source)
     weights = [*module.parameters(), *module.buffers()]
     tls = TLS
     if tls.mode is None:
-        tls.mode = fp8_hook.Fp8Mode(weights, current_scope, [module])
+        tls.mode = fp8_hook.Fp8Mode(weights, current_scope, _capture_at_serve)
         tls.mode.__enter__()
         call.holds_mode = True
     else:
-        tls.mode.follow(weights, module)
+        tls.mode.follow(weights)
+
+
+def _capture_at_serve() -> None:
+    """After a served matmul: inside a checkpoint's forward that no module call inside captured
+    (a checkpointed function in a module's forward), make its recomputation replay this
+    forward's context, as a module call there does."""
+    tls = TLS
+    calls = tls.calls
+    if tls.frames and (torch.is_grad_enabled() or (calls and calls[-1].grad)):
+        frame = tls.frames[-1]
+        capture_for_recompute(lambda: Snapshot(frame))
 
 
 def _close(call: Call, frame: Frame | None, output: Any, failed: bool) -> Any:
@@ -231,8 +242,10 @@ class Snapshot:
         self.followed = None if tls.mode is None else tls.mode.followed
 
     @contextmanager
-    def replaying(self) -> Iterator[None]:
-        """Run the recomputation in this context (this thread's own state set aside).
+    def replaying(self, args: tuple[Any, ...] = ()) -> Iterator[None]:
+        """Run the recomputation of a checkpoint called with ``args`` in this context (this
+        thread's own state set aside); an argument that is a followed weight detached (reentrant
+        checkpointing detaches them) is followed too.
 
         Host sync: none.
         """
@@ -243,7 +256,8 @@ class Snapshot:
         ACTIVE.stack = [*saved[5], *self.stats]
         ensure_global_hooks()
         if self.followed is not None:  # the calls around the checkpoint serve their matmuls
-            tls.mode = fp8_hook.Fp8Mode(self.followed, current_scope)
+            tls.mode = fp8_hook.Fp8Mode(self.followed, current_scope, _capture_at_serve)
+            tls.mode.follow_aliases(args)
             tls.mode.__enter__()
         try:
             yield

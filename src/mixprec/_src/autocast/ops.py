@@ -51,8 +51,40 @@ _REPLAYS = "_mixprec_replays"  # attribute of a wrapper: the tables it replays
 Target = tuple[Any, str]  # (object, attribute holding the recompute function)
 
 
+def current_checkpoints() -> list[Target]:
+    """The checkpoints whose forwards are running now that a recomputation would replay,
+    innermost first: the innermost reentrant one (its forward runs under no_grad, so under
+    no_grad it is inside any non-reentrant one that saves anything) and the non-reentrant one
+    whose saved-tensor hooks are the innermost. Other saved-tensor hooks (``save_on_cpu``, a
+    recomputation's own) hide no reentrant checkpoint.
+
+    Example:
+        >>> current_checkpoints()
+        []
+
+    Host sync: none.
+    """
+    found: list[Target] = []
+    if not torch.is_grad_enabled() and REENTRANT_CHECKPOINT_CODE is not None:
+        frame: Any = caller_frame(1)
+        while frame is not None:
+            if frame.f_code is REENTRANT_CHECKPOINT_CODE:
+                ctx = frame.f_locals.get("ctx")
+                if ctx is not None:
+                    found.append((ctx, "run_function"))
+                break
+            frame = frame.f_back
+    hooks = top_saved_tensors_hooks()
+    if hooks is not None and CHECKPOINT_FRAME_TYPE is not None:  # non-reentrant forward
+        for cell in getattr(hooks[0], "__closure__", None) or ():
+            if isinstance(cell.cell_contents, CHECKPOINT_FRAME_TYPE):
+                found.append((cell.cell_contents, "recompute_fn"))
+                break
+    return found
+
+
 def current_checkpoint() -> Target | None:
-    """The checkpoint whose forward is running now (the innermost), or None.
+    """The innermost checkpoint whose forward is running now, or None.
 
     Example:
         >>> current_checkpoint() is None
@@ -60,21 +92,8 @@ def current_checkpoint() -> Target | None:
 
     Host sync: none.
     """
-    hooks = top_saved_tensors_hooks()
-    if hooks is not None and CHECKPOINT_FRAME_TYPE is not None:  # non-reentrant forward
-        for cell in getattr(hooks[0], "__closure__", None) or ():
-            if isinstance(cell.cell_contents, CHECKPOINT_FRAME_TYPE):
-                return cell.cell_contents, "recompute_fn"
-        return None
-    if torch.is_grad_enabled() or REENTRANT_CHECKPOINT_CODE is None:
-        return None
-    frame: Any = caller_frame(1)  # reentrant checkpoint runs its forward under no_grad
-    while frame is not None:
-        if frame.f_code is REENTRANT_CHECKPOINT_CODE:
-            ctx = frame.f_locals.get("ctx")
-            return None if ctx is None else (ctx, "run_function")
-        frame = frame.f_back
-    return None
+    found = current_checkpoints()
+    return found[0] if found else None
 
 
 def replay_in(target: Target, table: Mapping[str, Rule], device_type: str) -> None:
@@ -112,24 +131,25 @@ _SNAPSHOT = "_mixprec_snapshot"  # attribute of a wrapper: the forward context i
 def capture_for_recompute(snapshot: Callable[[], Any]) -> None:
     """Inside a checkpoint's forward (eager), make its recomputation replay the context
     ``snapshot()`` captures now (once per checkpoint: the first module call inside it).
-    The snapshot has a ``replaying()`` context manager.
+    The snapshot has a ``replaying(args)`` context manager (the recomputation's arguments).
 
     Example:
         >>> capture_for_recompute(lambda: None)  # outside a checkpoint: nothing to do
 
     Host sync: none.
     """
-    target = current_checkpoint()
-    if target is None:
-        return
-    owner, attr = target
+    snap = None
+    for owner, attr in current_checkpoints():  # nested ones: each that nothing captured yet
+        if getattr(getattr(owner, attr), _SNAPSHOT, None) is None:
+            snap = snapshot() if snap is None else snap
+            _wrap_recompute(owner, attr, snap)
+
+
+def _wrap_recompute(owner: Any, attr: str, snap: Any) -> None:
     fn = getattr(owner, attr)
-    if getattr(fn, _SNAPSHOT, None) is not None:
-        return
-    snap = snapshot()
 
     def recompute(*args: Any, **kwargs: Any) -> Any:
-        with snap.replaying():
+        with snap.replaying(args):
             return fn(*args, **kwargs)
 
     setattr(recompute, _SNAPSHOT, snap)

@@ -23,6 +23,7 @@ from mixprec._src import torch_compat
 from mixprec._src.autocast.fp8 import check_attention
 from mixprec._src.autocast.policy import Policy
 from mixprec._src.autocast.rules import Rule
+from mixprec._src.fp8.hook import can_serve
 
 _PLANS_KEPT = 8
 
@@ -37,8 +38,9 @@ class Effective:
         rule: the rule.
         source: the policy key that gave it (a class or a name glob).
         guarded: an fp8-family rule that must serve a matmul in each forward of the module
-            (the owner, where it holds a weight matrix, or an ``nn.Linear`` under it; a rule
-            that served nothing in a whole region is refused at its exit).
+            (the owner, where it holds a weight matrix, or a module under it that
+            :func:`_serves_own_matrix`; a rule that served nothing in a whole region is refused
+            at its exit).
 
     Host sync: none.
     """
@@ -51,6 +53,17 @@ class Effective:
 
 def _holds_matrix(module: nn.Module) -> bool:
     return isinstance(module, nn.Linear) or any(p.dim() >= 2 for p in module.parameters())
+
+
+def _serves_own_matrix(module: nn.Module) -> bool:
+    """A module under an inherited fp8-family rule whose forward must serve a matmul: an
+    ``nn.Linear``, or a module of a class fp8 can serve (outside torch.nn: ``Conv1D``, a custom
+    projection) holding a weight matrix of its own. A torch.nn module that is not a Linear
+    (an embedding, a convolution) keeps the region's dtype there, as a norm does."""
+    if isinstance(module, nn.Linear):
+        return True
+    own = module.parameters(recurse=False)
+    return can_serve(type(module)) and any(p.dim() >= 2 for p in own)
 
 
 class Plan:
@@ -71,8 +84,8 @@ class Plan:
                 eff: Effective | None = Effective(name, own[1], own[0], guard)
             else:
                 up = by_name.get(name.rpartition(".")[0]) if name else None
-                linear = up is not None and up.rule.fp8_family and isinstance(mod, nn.Linear)
-                eff = None if up is None else Effective(up.owner, up.rule, up.source, linear)
+                guard = up is not None and up.rule.fp8_family and _serves_own_matrix(mod)
+                eff = None if up is None else Effective(up.owner, up.rule, up.source, guard)
             by_name[name] = eff
             if eff is not None:
                 self.rules[id(mod)] = eff

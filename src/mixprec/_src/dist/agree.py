@@ -7,6 +7,7 @@ from typing import Any
 import torch
 
 from mixprec._src.devices import types_reduced_by
+from mixprec._src.torch_compat import process_group_device_types
 from mixprec.errors import ConfigError
 
 
@@ -30,6 +31,7 @@ def dtensor_type() -> Any:
     if not initialized():
         return None
     from torch.distributed.tensor import DTensor
+
     return DTensor
 
 
@@ -59,7 +61,7 @@ def comm_device(group: Any, device: torch.device) -> torch.device:
     Host sync: none.
     """
     try:
-        types = {d.type for d in _group_object(group)._device_types}
+        types = process_group_device_types(_group_object(group))
     except (AttributeError, RuntimeError):  # torch without ProcessGroup._device_types
         types = types_reduced_by(str(torch_dist().get_backend(group)))
     if not types or device.type in types:

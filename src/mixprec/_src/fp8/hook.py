@@ -17,7 +17,7 @@ an error naming the module and what it called (:func:`close_scope`). The mode tr
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 from typing import Any
 
 import torch
@@ -53,10 +53,22 @@ def can_serve(module_type: type) -> bool:
 
 
 class Scope:
-    """One module call served by a recipe: its name, the stats it records into, and what it did
-    (served matmuls, the calls that took one of its weights). Host sync: none."""
+    """One module call served by a recipe: its name, the stats it records into, the module whose
+    forward runs (its own weights are read again when a call misses them), and what it did (served
+    matmuls, the calls that took one of its weights). Host sync: none."""
 
-    __slots__ = ("called", "guarded", "hp", "label", "model", "name", "recipe", "served", "stats")
+    __slots__ = (
+        "called",
+        "guarded",
+        "hp",
+        "label",
+        "model",
+        "module",
+        "name",
+        "recipe",
+        "served",
+        "stats",
+    )
 
     def __init__(
         self,
@@ -66,10 +78,11 @@ class Scope:
         stats: Fp8Stats | None,
         guarded: bool,
         model: object = None,
+        module: nn.Module | None = None,
         label: str | None = None,
     ) -> None:
         self.name, self.recipe, self.hp, self.stats = name, recipe, hp, stats
-        self.guarded, self.model = guarded, model
+        self.guarded, self.model, self.module = guarded, model, module
         self.label = recipe.name if label is None else label  # the recipe its stats record
         self.served = 0
         self.called: list[str] = []  # the functions that took one of its weights
@@ -150,33 +163,62 @@ class Fp8Mode(TorchFunctionMode):
         self,
         followed: list[torch.Tensor],
         current: Callable[[], Scope | None],
-        modules: list[nn.Module] | None = None,
+        on_serve: Callable[[], None] | None = None,
     ) -> None:
         super().__init__()
-        self.followed = followed  # compared with ``is``: traceable, and tied weights need no care
         self.current = current
-        # Modules whose weights are followed as they hold them when the forward runs them: a
-        # module hook that runs after mixprec's (FSDP2's unshard) may swap a parameter in.
-        self.modules = modules or []
+        self.on_serve = on_serve  # called after each served matmul (eager)
+        # Compared with ``is`` (tied weights need no care): by id in eager mode (one lookup per
+        # tensor however many weights a container's rule follows), along the list while Dynamo
+        # traces (it does not trace ``id`` of a tensor); ``listed`` once anything was followed
+        # while tracing (a graph break then runs the rest eagerly).
+        self.followed: list[torch.Tensor] = []
+        self._ids: dict[int, torch.Tensor] = {}
+        self._listed = False
+        self.follow(followed)
 
-    def follow(self, tensors: list[torch.Tensor], module: nn.Module | None = None) -> None:
-        """Follow these tensors too (the parameters of a module whose scope opens), and the
-        weights ``module`` holds at each later call. Host sync: none."""
+    def follow(self, tensors: Iterable[torch.Tensor]) -> None:
+        """Follow these tensors too (the weights of a module whose scope opens). Host sync:
+        none."""
         for t in tensors:
-            if not self._followed(t):
-                self.followed.append(t)
-        if module is not None:
-            self.modules.append(module)
+            if isinstance(t, torch.Tensor) and not self._followed(t):
+                self._add(t)
+
+    def follow_aliases(self, values: Iterable[object]) -> None:
+        """Follow each tensor of ``values`` that is a followed tensor under another name: the
+        same elements of the same memory (what ``detach()`` gives: a reentrant checkpoint's
+        recomputation receives its arguments detached). Host sync: none."""
+        for v in values:
+            if not isinstance(v, torch.Tensor) or self._followed(v) or v.data_ptr() == 0:
+                continue
+            if any(_same_view(v, t) for t in self.followed):
+                self._add(v)
+
+    def _add(self, t: torch.Tensor) -> None:
+        self.followed.append(t)
+        if torch.compiler.is_compiling():
+            self._listed = True
+        else:
+            self._ids[id(t)] = t
 
     def _followed(self, value: object) -> bool:
         if not isinstance(value, torch.Tensor):
             return False
-        if any(value is t for t in self.followed):
-            return True
-        for module in self.modules:
-            if any(value is t for t in (*module.parameters(), *module.buffers())):
-                self.followed.append(value)
+        if self._listed or torch.compiler.is_compiling():
+            if any(value is t for t in self.followed):
                 return True
+        elif self._ids.get(id(value)) is value:
+            return True
+        # A module hook that runs after mixprec's (FSDP2's unshard) may have swapped one of the
+        # running module's own weights in since its scope opened: read them as it holds them.
+        scope = self.current()
+        module = None if scope is None else scope.module
+        if module is None:
+            return False
+        own = (*module.parameters(recurse=False), *module.buffers(recurse=False))
+        if any(value is t for t in own):
+            self._add(value)
+            return True
         return False
 
     def __torch_function__(
@@ -205,17 +247,22 @@ class Fp8Mode(TorchFunctionMode):
         if scope is not None and not weight_only:
             served = _serve(self, scope, func, args, kwargs)
             if served is not None:
+                if self.on_serve is not None:
+                    self.on_serve()
                 return served
         out = func(*args, **kwargs)
         if weight_only:
-            self._follow_output(out)
+            self.follow(out if isinstance(out, (list, tuple)) else [out])
         return out
 
-    def _follow_output(self, out: object) -> None:
-        if isinstance(out, torch.Tensor):
-            self.followed.append(out)
-        elif isinstance(out, (list, tuple)):
-            self.followed.extend(t for t in out if isinstance(t, torch.Tensor))
+
+def _same_view(a: torch.Tensor, b: torch.Tensor) -> bool:
+    return (
+        a.data_ptr() == b.data_ptr()
+        and a.dtype == b.dtype
+        and a.shape == b.shape
+        and a.stride() == b.stride()
+    )
 
 
 def _arg(args: tuple[Any, ...], kwargs: dict[str, Any], i: int, name: str) -> Any:
@@ -269,7 +316,7 @@ def _serve_product(
         out = out.mT if b.dim() > 1 else out
         return out if bias is None else out + bias
     if a_weight or b_weight:
-        _refuse(scope.name, f"{label} on a {max(a.dim(), b.dim())}-D weight")
+        _refuse(scope.name, f"{label} on a {(a if a_weight else b).dim()}-D weight")
     return None
 
 
@@ -319,9 +366,19 @@ def served_nothing(scope: Scope, kind: str) -> ConfigError:
     return ConfigError(
         f"module {shown} ({kind}) ran under an fp8-family rule ({scope.recipe.name}) and issued "
         f"no matmul the recipe serves: with its weights it called {called}. fp8 serves "
-        f"{SERVES}. Give it a rule that is not fp8 (e.g. '{scope.name or '<module>'}=bf16'), "
-        "or compute its matmuls with one of those."
+        f"{SERVES}. {_NOT_FOLLOWED} Give it a rule that is not fp8 (e.g. "
+        f"'{scope.name or '<module>'}=bf16'), or compute its matmuls with one of those."
     )
+
+
+_NOT_FOLLOWED = (
+    "A weight operand is followed from the module's parameters and buffers through the torch "
+    "functions this forward runs on them; one computed outside this forward (kept across "
+    "forwards: torch.nn.utils.parametrize.cached(), a tensor saved on the module) or, under "
+    "torch.compile, read through a tensor attribute Dynamo does not show to torch function "
+    "modes (.data; .T, .mT, .H before torch 2.14: write .detach(), .t(), .transpose(-2, -1)) "
+    "is not."
+)
 
 
 def fits(shape: tuple[int, ...], recipe: Recipe) -> bool:
@@ -418,7 +475,7 @@ def enter_module(
 
     Host sync: none.
     """
-    scope = Scope(name or "", recipe, hp, stats_for_scope(), False, None, label)
+    scope = Scope(name or "", recipe, hp, stats_for_scope(), False, label=label)
     mode = Fp8Mode(list(module.parameters()), lambda: scope)
     mode.__enter__()
     return Token(mode, scope)

@@ -25,6 +25,7 @@ from typing import cast
 import torch
 
 from mixprec._src.devices import caps
+from mixprec._src.torch_compat import tensor_base
 from mixprec.errors import ConfigError
 
 GroupKey = tuple[torch.device, torch.dtype]
@@ -152,7 +153,7 @@ def plan_grads(optimizer: torch.optim.Optimizer) -> GradPlan:
     plan = _build_plan(optimizer, grads)
     for key, group in plan.dense.items():
         # autograd's own grads own their storage (no _base): not flat, as flat_views would say
-        views = None if group[0]._base is None else flat_views(group)
+        views = None if tensor_base(group[0]) is None else flat_views(group)
         if views is not None:
             plan.flat[key] = views
     if grads is not None and plan.flat and _cacheable(plan):  # no grad is None then
@@ -286,7 +287,7 @@ def flat_views(grads: Sequence[torch.Tensor]) -> list[torch.Tensor] | None:
         return None
     by_base: dict[int, list[torch.Tensor]] = {}
     for grad in grads:
-        base = grad._base
+        base = tensor_base(grad)
         if base is None:  # autograd's own grads own their storage: rejected at the first one
             return None
         if type(grad) is not torch.Tensor or grad.is_complex() or not grad.is_contiguous():

@@ -40,6 +40,7 @@ import torch.utils.flop_counter as flop_counter
 from torch import nn
 
 from mixprec._src.advisor.speed.gpus import GPU, KERNEL_FLOOR_S
+from mixprec._src.torch_compat import CONV_BASE
 
 ROW = 0  #: ``Format.block`` for one scale per row of the contraction (axis-wise, "rowwise")
 
@@ -296,7 +297,7 @@ def _shape(module: nn.Module, out: torch.Tensor) -> Shape | None:
     if isinstance(module, nn.Linear):
         n = module.out_features
         return Shape(out.numel() // max(n, 1), module.in_features, n)
-    if isinstance(module, nn.modules.conv._ConvNd):
+    if isinstance(module, CONV_BASE):
         groups = module.groups
         batched = out.dim() > len(module.kernel_size) + 1
         rows = out.numel() // max(out.shape[1 if batched else 0], 1)
