@@ -114,21 +114,23 @@ def run_seed(seed: int, args: argparse.Namespace) -> dict[str, Any]:
     gen = torch.Generator().manual_seed(99)
     val = [GAP.sample(val_bytes, 32, args.seq, gen) for _ in range(8)]
     data = GAP.batches(args, seed, train_bytes)
-    big = GAP.sample(train_bytes, args.advise_batch, args.seq, torch.Generator().manual_seed(seed))
-    advices = advise_both(args, seed, big)
     nvfp4 = mixprec.Policy("nn.Linear=nvfp4")
     switch = round(SWITCH * args.steps)
     policies: dict[str, Any] = {
         "bf16": None,
         "nvfp4": nvfp4,
-        "per-module": advices["per-module"].policy,
-        "per-matmul": advices["per-matmul"].policy,
         "schedule": mixprec.Schedule({0: nvfp4, switch: nvfp4.with_matmuls(fprop="bf16")}),
     }
-    out: dict[str, Any] = {"target": advices["target"], "switch": switch}
-    out.update({f"advice:{k}": _figures(advices[k]) for k in ("per-module", "per-matmul")})
-    if seed == args.seeds[0]:
-        out["carriers"] = carriers(advices["per-matmul"])
+    out: dict[str, Any] = {"switch": switch}
+    if {"per-module", "per-matmul"} & set(args.names):
+        gen = torch.Generator().manual_seed(seed)
+        big = GAP.sample(train_bytes, args.advise_batch, args.seq, gen)
+        advices = advise_both(args, seed, big)
+        policies.update({k: advices[k].policy for k in ("per-module", "per-matmul")})
+        out["target"] = advices["target"]
+        out.update({f"advice:{k}": _figures(advices[k]) for k in ("per-module", "per-matmul")})
+        if seed == args.seeds[0]:
+            out["carriers"] = carriers(advices["per-matmul"])
     for name in args.names:
         start = time.perf_counter()
         losses: list[float] = []
@@ -161,10 +163,12 @@ def report(results: list[dict[str, Any]], seeds: list[int], names: list[str]) ->
         print(
             f"| {name} | {_mean_gap(results, name, 'held')} | {_mean_gap(results, name, 'tail')} |"
         )
-    print("\n| seed | policy | predicted SQNR | measured | predicted speedup (B200) |")
-    print("|---|---|---:|---:|---:|")
+    advised = [n for n in ("per-module", "per-matmul") if n in names]
+    if advised:
+        print("\n| seed | policy | predicted SQNR | measured | predicted speedup (B200) |")
+        print("|---|---|---:|---:|---:|")
     for seed, r in zip(seeds, results, strict=True):
-        for kind in ("per-module", "per-matmul"):
+        for kind in advised:
             f = r[f"advice:{kind}"]
             print(
                 f"| {seed} | {kind}: `{f['policy']}` | {f['predicted']:.1f} dB | "
@@ -210,8 +214,12 @@ def main(argv: list[str] | None = None) -> int:
     header = (
         f"torch {torch.__version__}, {args.threads} thread(s) per seed, {args.jobs} at once, load "
         f"{load}; GPT width {args.width}, {args.depth} blocks, context {args.seq}, batch "
-        f"{args.batch}, {args.steps} steps, seeds {args.seeds}; advised on {args.advise_batch} "
-        f"sequences for {args.gpu}"
+        f"{args.batch}, {args.steps} steps, seeds {args.seeds}"
+        + (
+            f"; advised on {args.advise_batch} sequences for {args.gpu}"
+            if "per-module" in args.names
+            else ""
+        )
     )
     print(header + "\n", flush=True)
     if args.jobs > 1 and len(args.seeds) > 1:
