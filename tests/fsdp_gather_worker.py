@@ -47,14 +47,18 @@ def make_model(rows: int) -> nn.Sequential:
     )
 
 
-#: Rules per matmul: "0" reads its weight in low precision in fprop and dgrad (gathered as
-#: codes), "2" in bf16 in fprop (gathered by FSDP in the parameter dtype).
-PER_MATMUL = {"0": "mxfp8/nvfp4/fp8", "2": "bf16/fp8/fp8", "4": "bf16"}
+#: Rules per matmul, in both orders of the weight's two formats: "2" (which runs dgrad) reads its
+#: weight in low precision in fprop and dgrad, fp4 in one and 8-bit in the other (gathered as
+#: codes, each copy in its own format); "0" reads it in bf16 in fprop (gathered by FSDP).
+PER_MATMUL = {
+    "fp4-fprop": {"0": "bf16/fp8/fp8", "2": "nvfp4/mxfp8/fp8", "4": "bf16"},
+    "fp4-dgrad": {"0": "bf16/fp8/fp8", "2": "mxfp8/nvfp4/fp8", "4": "bf16"},
+}
 
 
 def policy_for(recipe: str) -> mixprec.Policy:
-    if recipe == "per-matmul":
-        return mixprec.Policy(modules=PER_MATMUL)
+    if recipe in PER_MATMUL:
+        return mixprec.Policy(modules=PER_MATMUL[recipe])
     return mixprec.Policy(modules={"0": word(recipe), "2": word(recipe), "4": "bf16"})
 
 
@@ -237,7 +241,7 @@ def scenario_parity(rank: int) -> dict[str, Any]:
 def scenario_per_matmul(rank: int) -> dict[str, Any]:
     """Rules per matmul: the Linear whose fprop and dgrad read the weight in low precision is
     gathered as codes, the one whose fprop is bf16 as FSDP gathers it; bitwise either way."""
-    return {"plain": train("per-matmul", False), "low": train("per-matmul", True)}
+    return {k: {"plain": train(k, False), "low": train(k, True)} for k in PER_MATMUL}
 
 
 def scenario_unsharded(rank: int) -> dict[str, Any]:

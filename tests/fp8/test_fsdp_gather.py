@@ -107,14 +107,16 @@ def test_gather_is_bitwise_the_run_without_it(
 def test_rules_per_matmul_gather_the_weights_read_in_low_precision(
     worlds: dict[int, list[dict[str, Any]]],
 ) -> None:
-    """'0=mxfp8/nvfp4/fp8' reads its weight as codes in fprop and dgrad: gathered so (two
-    orientations); '2=bf16/fp8/fp8' reads it in bf16 in fprop: FSDP's own gather, listed."""
+    """'2=nvfp4/mxfp8/fp8' (and 'mxfp8/nvfp4/fp8') reads its weight as codes in fprop and
+    dgrad, one copy fp4 and the other 8-bit: gathered so, each copy in its own format (the
+    Linear runs dgrad, so both copies are used); '0=bf16/fp8/fp8' reads it in bf16 in fprop:
+    FSDP's own gather, listed."""
     for rank in worlds[2]:
-        run = rank["per_matmul"]
-        _assert_bitwise(run)
-        low = run["low"]
-        assert low["names"] == ["0"] and low["high_precision"] == ["2"]
-        assert low["collectives"] == len(low["grads"])
+        for order, run in rank["per_matmul"].items():
+            _assert_bitwise(run)
+            low = run["low"]
+            assert low["names"] == ["2"] and low["high_precision"] == ["0"], order
+            assert low["collectives"] == len(low["grads"])
 
 
 def extra_collectives(run: dict[str, Any]) -> list[int]:

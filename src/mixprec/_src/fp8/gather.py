@@ -80,8 +80,12 @@ class _Weight:
         self.rows = int(fsdp_param.sharded_param.shape[0])
         self.orients = orientations(recipe)
         self.blocks = [block_shape((self.rows, self.cols), c, d) for c, d in self.orients]
-        self.packed = recipe.w is not None and recipe.w.dtype == E2M1
-        self.packed = self.packed and self.r_pad * self.world == self.rows
+        # fp4 codes two a byte where the rows divide evenly and every copy is fp4: FSDP2 sizes
+        # its buffers by the first gather, so the forward's and the backward's copies must
+        # travel in equal sizes (a rule per matmul may give them different element formats).
+        even = self.r_pad * self.world == self.rows
+        fp4 = all(cast.dtype == E2M1 for cast, _ in self.orients)
+        self.packed = [even and fp4 for _ in self.orients]
         self.scales: list[tuple[torch.Tensor, torch.Tensor | None, torch.Tensor]] = []
         self.version = -1
         self.payload = Payload(name, tuple(c for c, _ in self.orients))
@@ -164,7 +168,7 @@ class _Weight:
         row_scale = scale[index.clamp_(max=scale.shape[0] - 1)]
         x4 = self.hp_shard().reshape(self.r_pad, 1, self.cols // bc, bc).to(torch.float32)
         codes = encode(x4, row_scale, tensor_scale, cast).reshape(self.r_pad, self.cols)
-        return pack_e2m1(codes) if self.packed else codes.view(torch.uint8)
+        return pack_e2m1(codes) if self.packed[i] else codes.view(torch.uint8)
 
     def pre_all_gather(
         self, mesh: Any, outer_size: Any, outer_stride: Any, module: Any, mp_policy: Any
@@ -201,7 +205,7 @@ class _Weight:
         return weight, list(self.inner.values())
 
     def _codes_of(self, i: int, raw: torch.Tensor) -> torch.Tensor:
-        if not self.packed:
+        if not self.packed[i]:
             return raw.view(E4M3)
         if i not in self.inner:
             self.inner[i] = unpack_e2m1(raw)
