@@ -54,7 +54,7 @@ def test_at_is_the_last_phase_started(starts: list[int], step: int) -> None:
         (({0: None, -3: None},), {}, "negative step"),
         (({0: None, 0.5: None},), {"total_steps": 0}, "total_steps must be"),
         (({0: 3},), {}, "a phase's policy is"),
-        (([(0, None), (0, "nn.Linear=fp8")],), {}, "same step"),
+        (([(0, None), (0, "nn.Linear=fp8")],), {}, "two phases start at step 0"),
         ((42,), {}, "phases must be"),
         (([(0,)],), {}, r"a \(start, policy\) pair"),
     ],
@@ -122,3 +122,25 @@ def test_a_compiled_loop_recompiles_once_per_distinct_policy() -> None:
             assert all(torch.equal(a, b) for a, b in zip(outs[0][1], outs[1][1], strict=True))
             seen.append(counters["stats"]["unique_graphs"])
     assert found["graphs"] == 2, seen
+
+
+@pytest.mark.parametrize(
+    ("phases", "match"),
+    [
+        ({0: None, 100: "nn.Linear=fp8"}, r"step 100\) never runs: training has total_steps=100"),
+        ({0: None, 0.999: "nn.Linear=fp8"}, r"0\.999 \(step 100\) never runs"),
+        ({0: None, 0.001: "nn.Linear=fp8"}, r"two phases start at step 0 \(given as 0 and 0\.001"),
+    ],
+)
+def test_a_phase_that_would_never_run_or_clashes_after_rounding_is_named(
+    phases: dict, match: str
+) -> None:
+    with pytest.raises(ConfigError, match=match):
+        Schedule(phases, total_steps=100)
+
+
+def test_with_matmuls_refuses_a_policy_with_nothing_to_change() -> None:
+    with pytest.raises(ConfigError, match="no fp8-family module rule"):
+        Policy("nn.Linear=bf16").with_matmuls(fprop="bf16")
+    with pytest.raises(ConfigError, match="output cast goes after the whole rule"):
+        mixprec.Rule("mxfp8@fp32/mxfp8/nvfp4")

@@ -266,3 +266,20 @@ def test_the_recipe_records_its_sources() -> None:
     assert [s and s.name for s in recipe.sources] == [None, "mxfp8", "nvfp4"]
     # A registry recipe's own high-precision matmul has no source.
     assert RECIPES["rowwise_gw_hp"].sources[2] is None
+
+
+@pytest.mark.parametrize("rule", ["fp8", "bf16/fp8/fp8", "fp32/mxfp8/nvfp4", "mxfp8/mxfp8/bf16"])
+def test_fp8_stats_count_every_operand_s_inf_and_nan_once(rule: str) -> None:
+    """An inf in the input and a NaN in the weight are counted once each, whichever matmul
+    casts the operand first (the forward's in high precision: the backward's casts count)."""
+    lin = nn.Linear(D, D, bias=False)
+    with torch.no_grad():
+        lin.weight[3, 5] = float("nan")
+    x = torch.randn(TOKENS, D)
+    x[1, 2] = float("inf")
+    stats = mixprec.Fp8Stats()
+    with stats, mixprec.autocast("cpu", BF16, policy=Policy(modules={"0": rule})):
+        out = nn.Sequential(lin)(x.requires_grad_(True))
+    out.float().sum().backward()
+    found = stats.read()["0"]
+    assert found.input.nonfinite == 1 and found.weight.nonfinite == 1, rule

@@ -251,10 +251,17 @@ class Policy:
             'nn.Linear=bf16/nvfp4/nvfp4, lm_head=bf16'
 
         Raises:
-            ConfigError: an unknown format.
+            ConfigError: an unknown format, or a policy without an fp8-family rule (there is no
+                matmul format to change: the result would be the same policy).
 
         Host sync: none.
         """
+        if not any(rule.fp8_family for rule in self.modules.values()):
+            raise ConfigError(
+                f"policy {str(self)!r} has no fp8-family module rule: with_matmuls changes the "
+                "formats of such rules' matmuls ('nn.Linear=nvfp4' -> 'nn.Linear=bf16/nvfp4/"
+                "nvfp4'); give the modules a low-precision recipe first"
+            )
         modules: dict[object, RuleLike] = {
             key: rule.with_matmuls(fprop, dgrad, wgrad) if rule.fp8_family else rule
             for key, rule in self.modules.items()

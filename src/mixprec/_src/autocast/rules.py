@@ -248,6 +248,11 @@ class Rule:
     ) -> None:
         if isinstance(compute, str) and "@" in compute:
             compute, _, written = compute.partition("@")
+            if "/" in written:
+                raise ConfigError(
+                    f"rule {compute}@{written}: the output cast goes after the whole rule, "
+                    f"after its last matmul's format (e.g. 'mxfp8/mxfp8/nvfp4@fp32')"
+                )
             if output is not None:
                 raise ConfigError(
                     f"rule {compute}@{written} gives the output cast twice (also output={output!r})"

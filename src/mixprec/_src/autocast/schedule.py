@@ -3,10 +3,10 @@
 Low precision does not hurt every phase of training alike: the NVFP4 pretraining recipe (arXiv
 2509.25149, Appendix D) recovers most of its loss gap by running only the forward matmuls in
 bf16 for the last part of training. A schedule holds such phases, each from its first step on;
-``at(step)`` returns the same :class:`~mixprec.Policy` object for every step of a phase, so a
-compiled model (which guards on the policy's identity) compiles once per distinct policy and
-never again when a phase comes back. :class:`mixprec.Watch` can add a phase at a step boundary
-(``apply=True``).
+``at(step)`` returns the same :class:`~mixprec.Policy` object for every step of a phase, and a
+compiled model (whose guard takes an equal policy for the same one) compiles once per distinct
+policy and never again when a phase comes back. :class:`mixprec.Watch` can add a phase at a
+step boundary (``apply=True``).
 """
 
 from __future__ import annotations
@@ -87,8 +87,13 @@ class Schedule:
         policies = [
             _policy(p, f"the phase from step {s}") for s, (_, p) in zip(starts, pairs, strict=True)
         ]
-        if len(set(starts)) != len(starts):
-            raise ConfigError(f"two phases start at the same step: {sorted(starts)}")
+        for i, start in enumerate(starts):
+            if start in starts[:i]:
+                given = [repr(s) for (s, _), at in zip(pairs, starts, strict=True) if at == start]
+                raise ConfigError(
+                    f"two phases start at step {start} (given as {' and '.join(given)}; a "
+                    f"fraction is rounded to a step of total_steps={total_steps})"
+                )
         if 0 not in starts:
             raise ConfigError(
                 f"the first phase must start at step 0 (got phases from {sorted(starts)})"
@@ -103,7 +108,7 @@ class Schedule:
         if isinstance(value, numbers.Integral):
             if value < 0:
                 raise ConfigError(f"a phase cannot start at a negative step ({value})")
-            return int(value)
+            return self._within(int(value), value)
         if not 0.0 <= float(value) < 1.0:
             raise ConfigError(
                 f"a phase starting at {value!r}: a float is a fraction of total_steps in [0, 1)"
@@ -113,7 +118,16 @@ class Schedule:
                 f"the phase starting at {value!r} of the steps needs total_steps= (the number "
                 "of training steps)"
             )
-        return round(float(value) * self.total_steps)
+        return self._within(round(float(value) * self.total_steps), value)
+
+    def _within(self, start: int, given: object) -> int:
+        """``start``, refused when training ends before it (the phase would never run)."""
+        if self.total_steps is not None and start >= self.total_steps:
+            raise ConfigError(
+                f"a phase starting at {given!r} (step {start}) never runs: training has "
+                f"total_steps={self.total_steps} (steps 0 to {self.total_steps - 1})"
+            )
+        return start
 
     def at(self, step: int) -> Policy | None:
         """The policy of training step ``step`` (the same object for every step of a phase).

@@ -255,7 +255,9 @@ def _backward(
             qdy = _cast(plan, dy, r.dy_gi, 1, _GRAD_OUTPUT, True, True)
             if qw is None:
                 assert w_hp is not None
-                qw = gathered(w_hp, 0) or _cast(plan, w_hp, r.w_gi, 0, _WEIGHT, False, True)
+                # (its inf/NaN counted here when the forward did not cast it: fprop in hp)
+                first = r.w is None
+                qw = gathered(w_hp, 0) or _cast(plan, w_hp, r.w_gi, 0, _WEIGHT, first, True)
             dx = _mm(plan, Side(qdy, r.dy_gi), Side(qw, r.w_gi))
     if needs[1]:
         x_hp, qx = x
@@ -270,7 +272,7 @@ def _backward(
             if qx is None:
                 assert x_hp is not None
                 padded = _pad_rows(x_hp, rows)
-                qx = _cast(plan, padded, r.x_gw, 0, _INPUT, False, True, x_hp.numel())
+                qx = _cast(plan, padded, r.x_gw, 0, _INPUT, r.x is None, True, x_hp.numel())
             dw = _mm(plan, Side(qdy, r.dy_gw, True), Side(qx, r.x_gw))
         dw = dw.to(wdtype)
     return dx, dw

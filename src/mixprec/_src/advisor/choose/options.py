@@ -8,9 +8,11 @@ the region's 16-bit dtype), else no error.
 Per matmul (:class:`PerMatmul`), the recipes measured one matmul at a time also combine: each
 of the module's three matmuls takes one of those recipes or the region's dtype
 (``"nvfp4/nvfp4/bf16"``). Such an option's error is its matmuls' errors added (a matmul in the
-region's dtype adds none of its own: the region's rounding is in each matmul's pass), its time
-the speed model's for that mix. Options come cheapest first: each matmul costs the rank of its
-format among the candidates (the region's dtype ranks where it is listed, else after them).
+region's dtype adds none; the region's rounding of the module's input and output is counted in
+the fprop figure, so a mix whose fprop is in the region's dtype leaves it out: a few hundredths
+to tenths of a dB), its time the speed model's for that mix. Options come cheapest first:
+each matmul costs the rank of its format among the candidates (the region's dtype ranks where
+it is listed, else after them).
 """
 
 from __future__ import annotations
