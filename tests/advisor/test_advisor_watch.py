@@ -221,3 +221,61 @@ def test_without_apply_the_switch_is_only_proposed(advice: Any) -> None:
         mixprec.Watch(model, loss_fn, advice, apply=True)
     with pytest.raises(ConfigError, match=r"schedule must be a mixprec\.Schedule"):
         mixprec.Watch(model, loss_fn, advice, schedule="nn.Linear=fp8")  # type: ignore[arg-type]
+
+
+def test_a_switch_applied_where_a_phase_was_planned_changes_that_phase(advice: Any) -> None:
+    """The step the switch starts at already begins a planned phase: that phase's policy is the
+    one switched (not the phase before it, which would replace the plan)."""
+    from mixprec._src.advisor.choose.policy import rule_in_force
+
+    model = _model()
+    planned = mixprec.Policy("nn.Linear=fp8:rowwise")
+    schedule = mixprec.Schedule({0: advice.policy, 2: planned})
+    watch = mixprec.Watch(model, loss_fn, advice, every=1, sample=3, schedule=schedule, apply=True)
+    watch.step(_batch(1.0))
+    with pytest.warns(MixprecWarning, match="Applied to the schedule"):
+        report = watch.step(_batch(1e6))  # measured at step 1, applied from step 2
+    assert report is not None and report.applied
+    assert schedule.at(1) is advice.policy
+    for rec in report.records:
+        rule = rule_in_force(schedule.at(2), model, rec.name)
+        assert rule is not None and rule.matmuls == ("bf16", "fp8:rowwise", "fp8:rowwise")
+
+
+def test_a_planned_change_of_rule_starts_a_baseline_of_its_own(advice: Any) -> None:
+    """A schedule that moves the modules to a coarser recipe is not drift: the margin of the new
+    rule is compared with its own first figure."""
+    model = _model()
+    coarse = mixprec.Policy("0=nvfp4, 2=nvfp4, 4=fp8")
+    schedule = mixprec.Schedule({0: advice.policy, 1: coarse})
+    watch = mixprec.Watch(model, loss_fn, advice, every=1, sample=3, schedule=schedule)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        first = watch.step(_batch(1.0))
+        then = watch.step(_batch(1.0))
+        again = watch.step(_batch(1.0))
+    assert first is not None and then is not None and again is not None
+    assert [r.candidate for r in then.records] == ["nvfp4", "nvfp4", "fp8"]
+    assert not first.alerts and not then.alerts and not again.alerts
+    pairs = zip(then.records, first.records, strict=True)
+    lower = [a.margin - b.margin for a, b in pairs if a.margin is not None and b.margin is not None]
+    assert lower and max(lower) > 6  # nvfp4 is far below fp8, yet no alert: not drift
+
+
+def test_a_mix_s_fractions_are_compared_with_its_first_figures() -> None:
+    """A module whose choice is a mix of recipes has no fp8 figures in the advice: its clipped
+    and flushed fractions are compared with the watch's first figures for it."""
+    from mixprec.types import WatchRecord
+
+    advice = mixprec.advise(
+        _model(), _batch(1.0), loss_fn, candidates=["nvfp4", "mxfp8"], min_sqnr=20.0
+    )
+    row = next(m for m in advice.modules if "/" in m.choice)
+    watch = mixprec.Watch(_model(), loss_fn, advice, every=1, sample=3)
+    calm = WatchRecord(1, row.name, row.choice, 30.0, None, 30.0, 0.0, 0.01, 0.0)
+    loud = WatchRecord(2, row.name, row.choice, 30.0, None, 30.0, 0.0, 0.5, 0.0)
+    assert watch._problem(calm, row) is None
+    problem = watch._problem(loud, row)
+    assert (
+        problem is not None and "flushes to 0 50%" in problem and "when first measured" in problem
+    )

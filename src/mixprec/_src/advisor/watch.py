@@ -147,9 +147,11 @@ class Watch:
         self._modules = {m.name: names[m.name] for m in self._watched}
         self._trained = _TrainedPolicies(model)
         self._warned: set[Policy | None] = set()
-        self._margins: dict[str, float] = {}  # the first margin measured, per module
-        self._level: dict[str, float] = {}  # the SQNR when the margin was last measured
-        self._lost: dict[str, float] = {}  # dB of margin lost since the first
+        # Per (module, what it ran in): a rule the schedule changes starts a baseline of its own.
+        self._margins: dict[tuple[str, str], float] = {}  # the first margin measured
+        self._level: dict[tuple[str, str], float] = {}  # the SQNR when last compared with 16-bit
+        self._lost: dict[tuple[str, str], float] = {}  # dB of margin lost since the first
+        self._fractions: dict[tuple[str, str], tuple[float | None, float | None]] = {}
         self._flagged: set[str] = set()
         self._lost_ground: set[str] = set()  # modules whose last margin alert stands
         self._records: list[WatchRecord] = []
@@ -247,7 +249,7 @@ class Watch:
         assert self.schedule is not None
         start, applied = self._steps, []
         later = [(s, p) for s, p in self.schedule.phases if s > start]
-        for first, policy in [(start, self._in_force()), *later]:
+        for first, policy in [(start, self.schedule.at(start)), *later]:
             switched, changes = self._switched(policy, records)
             if switched is not None:
                 self.schedule.switch(first, switched)
@@ -328,39 +330,51 @@ class Watch:
         whole gradient's drift."""
         if cand.dtype is not None or got.model_grad_sqnr == -math.inf:
             return False
-        level = self._level.get(row.name)
+        level = self._level.get((row.name, cand.word))
         return level is None or got.model_grad_sqnr < level - self.tolerance
 
     def _problem(self, rec: WatchRecord, row: ModuleAdvice) -> str | None:
         if rec.model_grad_sqnr == -math.inf:
             return f"{rec.name} ({rec.candidate}) gives inf/NaN"
-        margin = rec.margin
+        key, margin = (rec.name, rec.candidate), rec.margin
         if margin is not None:
-            first = self._margins.setdefault(rec.name, margin)
-            self._level[rec.name] = rec.model_grad_sqnr
-            self._lost[rec.name] = max(0.0, margin - first)
+            first = self._margins.setdefault(key, margin)
+            self._level[key] = rec.model_grad_sqnr
+            self._lost[key] = max(0.0, margin - first)
             if margin - first > self.tolerance:
                 self._lost_ground.add(rec.name)
                 return (
                     f"{rec.name} ({rec.candidate}) is {margin:.1f} dB below bf16 at this step, "
                     f"{first:.1f} dB when first measured"
                 )
-        before = row.measurement(rec.candidate)
+        base, where = self._fraction_base(rec, row)
         for what, now, was in (
-            ("clips", rec.clipped, clipped(before)),
-            ("flushes to 0", rec.flushed, flushed(before)),
+            ("clips", rec.clipped, base[0]),
+            ("flushes to 0", rec.flushed, base[1]),
         ):
             if now is not None and was is not None and now > self.rise * was + FRACTION_FLOOR:
                 return (
                     f"{rec.name} ({rec.candidate}) {what} {100 * now:.2g}% of an operand's "
-                    f"{'blocks' if what == 'clips' else 'values'}, {100 * was:.2g}% in the advice"
+                    f"{'blocks' if what == 'clips' else 'values'}, {100 * was:.2g}% {where}"
                 )
         return None
+
+    def _fraction_base(
+        self, rec: WatchRecord, row: ModuleAdvice
+    ) -> tuple[tuple[float | None, float | None], str]:
+        """What a module's clipped and flushed fractions are compared with: the advice's
+        figures for what it runs in, else (a mix of recipes, a rule of the schedule the advice
+        did not measure) the watch's first figures for it."""
+        before = row.measurement(rec.candidate)
+        if before is not None and before.fp8 is not None:
+            return (clipped(before), flushed(before)), "in the advice"
+        key = (rec.name, rec.candidate)
+        return self._fractions.setdefault(key, (rec.clipped, rec.flushed)), "when first measured"
 
     def _ratio(self, row: ModuleAdvice) -> float:
         chosen = row.measurement(row.choice)
         db = chosen.model_grad_sqnr if chosen is not None else math.inf
-        return db_to_ratio(db - self._lost.get(row.name, 0.0))
+        return db_to_ratio(db - self._lost.get((row.name, row.choice), 0.0))
 
     def _predicted(self) -> float:
         advice = self.advice
@@ -401,7 +415,7 @@ class Watch:
     def _lowered(self, row: ModuleAdvice) -> Callable[[str, float], float]:
         """An option's SQNR with the margin the module lost since (its chosen option only; an
         option with an alert is no option)."""
-        lost, flagged = self._lost.get(row.name, 0.0), row.name in self._flagged
+        lost, flagged = self._lost.get((row.name, row.choice), 0.0), row.name in self._flagged
 
         def adjust(word: str, db: float) -> float:
             if word != row.choice:
