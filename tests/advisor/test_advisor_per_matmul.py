@@ -258,8 +258,38 @@ def test_a_module_without_dgrad_gets_no_format_for_it(objective: str) -> None:
         first.measurements,
         ("bf16", None, None),
         None,
-        per_matmul=PerMatmul("bf16", BF16, None),
+        per_matmul=PerMatmul("bf16", BF16, None, torch.device("cpu")),
     )
     for option in choice.options:
         parts = mixprec.Rule(option.word).matmuls
         assert parts is None or parts[1] == parts[0], option.word
+
+
+def test_no_mix_the_measuring_gpu_would_refuse_is_an_option(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """On a GPU of compute capability 9.0 (simulated: the path's decision only), fp8 runs in
+    hardware and mxfp8 would be emulated: a mix of the two is refused at the forward, so it is
+    never an option; each with the region's dtype is."""
+    from mixprec._src.advisor.choose.options import PerMatmul, module_choice
+    from mixprec._src.devices import DeviceCaps
+    from mixprec._src.fp8 import matmul as fp8_matmul
+    from mixprec.types import Measurement
+
+    row = DeviceCaps(fp8_scaled_mm=True, block_scaled_mm=True)
+    monkeypatch.setattr(fp8_matmul, "caps", lambda device: row)
+    monkeypatch.setattr(fp8_matmul, "_capability", lambda device: (9, 0))
+    found = [
+        Measurement(word, 30.0, 30.0, 30.0, 30.0, matmuls=(35.0, 36.0, 37.0))
+        for word in ("fp8", "mxfp8")
+    ]
+    per = PerMatmul("bf16", BF16, None, torch.device("cpu"))
+    words = [
+        o.word
+        for o in module_choice("m", found, ("bf16", None, None), None, per_matmul=per).options
+    ]
+    mixed = [w for w in words if "/" in w]
+    assert "fp8/fp8/bf16" in mixed and "mxfp8/bf16/mxfp8" in mixed
+    for w in mixed:
+        parts = set(w.split("/")) - {"bf16"}
+        assert len(parts) == 1, w  # never fp8 with mxfp8

@@ -437,7 +437,7 @@ def _choose(
 def _per_matmul(job: Job, found: Found, s: Subject, goal: Goal) -> PerMatmul | None:
     if not goal.per_matmul:
         return None
-    return PerMatmul(format_dtype(job.region), job.region, found.gemms.get(s.name))
+    return PerMatmul(format_dtype(job.region), job.region, found.gemms.get(s.name), job.device)
 
 
 def _check_pass(engine: Engine, goal: Goal, policy: Policy, cheapest: Cheapest) -> float | None:

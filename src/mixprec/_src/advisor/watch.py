@@ -401,7 +401,7 @@ class Watch:
                 (advice.kept_precision, m.kept_measurement, m.kept_time),
                 gpu,
                 adjust=self._lowered(m),
-                per_matmul=_per_matmul(advice, m),
+                per_matmul=_per_matmul(advice, m, device_of(self.model)),
             )
             for m in served
         ]
@@ -440,10 +440,10 @@ def _watchable(row: ModuleAdvice) -> bool:
     return row.choice in row.candidates or row.chosen is not None
 
 
-def _per_matmul(advice: Advice, row: ModuleAdvice) -> PerMatmul | None:
+def _per_matmul(advice: Advice, row: ModuleAdvice, device: torch.device) -> PerMatmul | None:
     if not advice.per_matmul:
         return None
-    return PerMatmul(format_dtype(advice.dtype), advice.dtype, row.gemms)
+    return PerMatmul(format_dtype(advice.dtype), advice.dtype, row.gemms, device)
 
 
 class _TrainedPolicies:

@@ -32,6 +32,9 @@ from mixprec._src.advisor.speed.gpus import GPU
 from mixprec._src.advisor.speed.model import Gemms, Time, predict
 from mixprec._src.advisor.speed.operands import no_kernel, operands, runs_on
 from mixprec._src.autocast.rules import Rule
+from mixprec._src.fp8.matmul import use_scaled_mm
+from mixprec._src.fp8.recipes import get_recipe
+from mixprec.errors import ConfigError
 
 #: Adjusts an option's SQNR (dB) by its word (Watch lowers the chosen one by the margin lost).
 Adjust = Callable[[str, float], float]
@@ -40,11 +43,13 @@ Adjust = Callable[[str, float], float]
 @dataclass(frozen=True)
 class PerMatmul:
     """How to combine recipes per matmul: the word of a matmul in the region's dtype, the
-    region's dtype, and the module's GEMMs (for the mixes' times)."""
+    region's dtype, the module's GEMMs (for the mixes' times) and the device measured on (a
+    mix it would refuse, half in hardware and half emulated, is no option)."""
 
     high: str
     region: torch.dtype
     gemms: Gemms | None
+    device: torch.device
 
 
 def module_choice(
@@ -117,7 +122,10 @@ def _mixes(
         if len(set(combo)) == 1 or (not dgrad and combo[1] != combo[0]):
             continue
         words = [parts[j][0] for j in combo]
-        word = str(Rule("/".join(words)))
+        rule = Rule("/".join(words))
+        word = str(rule)
+        if not _runs_here(rule, per.device):
+            continue
         dbs = [parts[j][1][i] for i, j in enumerate(combo)]
         db = -math.inf if -math.inf in dbs else ratio_to_db(sum(db_to_ratio(d) for d in dbs))
         time = None
@@ -128,6 +136,16 @@ def _mixes(
             time = predict(gpu, per.gemms, operands(cand, per.region))
         out.append((sum(_rank(found, w) for w in words), _option(word, db, time)))
     return out
+
+
+def _runs_here(rule: Rule, device: torch.device) -> bool:
+    """Whether the device measured on takes ``rule``'s mix (a GPU refuses one whose recipes it
+    runs some in hardware and not the others)."""
+    try:
+        use_scaled_mm(device, get_recipe(rule.recipe or ""))
+    except ConfigError:
+        return False
+    return True
 
 
 def mix_measurement(
