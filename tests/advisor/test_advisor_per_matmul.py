@@ -94,30 +94,87 @@ def _db(noise: float, ref: list[torch.Tensor]) -> float:
 
 # ---------------------------------------------------------------- the tests
 def test_each_matmul_figure_is_that_matmul_alone_as_the_oracle_runs_it(advice: Any) -> None:
+    """Each figure against the whole-model gradient error of a run with that matmul alone in
+    the recipe (the recipe's Linear called directly): fprop with the module's input and output
+    in bf16 as the policy has them, dgrad and wgrad with float32 around them. dgrad's draws of
+    stochastic rounding come first in both; wgrad's follow dgrad's in the advisor's pass and
+    not in the oracle's, hence a tolerance for nvfp4's wgrad."""
     model = _model()
     ref = _grads(model)
-    position = {name: i for i, (name, _) in enumerate(model.named_parameters())}
     everything = set(range(len(ref)))
     for row in advice.modules:
-        own = {position[f"{row.name}.weight"], position[f"{row.name}.bias"]}
         for x in row.measurements:
             if x.matmuls is None:
                 assert x.candidate == "bf16"  # a 16-bit candidate is measured whole
                 continue
             recipe = get_recipe(x.candidate.replace("fp8:", "")).name
-            fwd = _grads(model, {row.name: f"{recipe}/fp32/fp32"})
-            bwd = _grads(model, {row.name: f"fp32/{recipe}/{recipe}"}, torch.float32)
-            want = (
-                _db(_noise(fwd, ref, everything), ref),
-                _db(_noise(bwd, ref, everything - own), ref),
-                _db(_noise(bwd, ref, own), ref),
+            runs = (
+                _grads(model, {row.name: f"{recipe}/fp32/fp32"}),
+                _grads(model, {row.name: f"fp32/{recipe}/fp32"}, torch.float32),
+                _grads(model, {row.name: f"fp32/fp32/{recipe}"}, torch.float32),
             )
-            for got, exp, matmul in zip(x.matmuls, want, ("fprop", "dgrad", "wgrad"), strict=True):
-                assert got == pytest.approx(exp, abs=0.01), (row.name, x.candidate, matmul)
+            want = [_db(_noise(run, ref, everything), ref) for run in runs]
             if row.name == "0":  # its input needs no gradient: no dgrad, no error of its own
-                assert x.matmuls[1] == math.inf
+                assert x.matmuls[1] == want[1] == math.inf
+            for got, exp, matmul in zip(x.matmuls, want, ("fprop", "dgrad", "wgrad"), strict=True):
+                tolerance = 0.3 if (recipe, matmul) == ("nvfp4", "wgrad") else 0.01
+                assert got == pytest.approx(exp, abs=tolerance), (row.name, x.candidate, matmul)
             added = -10 * math.log10(sum(10 ** (-d / 10) for d in x.matmuls if d < math.inf))
             assert x.model_grad_sqnr == pytest.approx(added, abs=1e-9)
+
+
+class Tied(nn.Module):
+    """A head tied to its embedding (nanoGPT's lm_head): the head's weight gradient also holds
+    what flows back through the embedding."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        torch.manual_seed(0)
+        self.emb = nn.Embedding(64, 64)
+        self.fc = nn.Linear(64, 64)
+        self.head = nn.Linear(64, 64, bias=False)
+        self.head.weight = self.emb.weight
+
+    def forward(self, idx: torch.Tensor) -> torch.Tensor:
+        return self.head(F.gelu(self.fc(self.emb(idx))))
+
+
+def test_a_tied_module_s_dgrad_and_wgrad_are_measured_apart() -> None:
+    """With the head's weight tied to the embedding, the error dgrad sends upstream lands on the
+    head's own weight too: the split by where it landed would count it as wgrad's. Each gets a
+    pass of its own instead (3 for the head and mxfp8), held to the runs with each alone."""
+    model = Tied()
+    tokens = torch.randint(0, 64, (4, 32), generator=torch.Generator().manual_seed(2))
+    batch = (tokens, torch.randint(0, 64, (4, 32), generator=torch.Generator().manual_seed(3)))
+
+    def loss(m: nn.Module, b: Any) -> torch.Tensor:
+        return F.cross_entropy(m(b[0]).float().flatten(0, 1), b[1].flatten())
+
+    advice = mixprec.advise(model, batch, loss, candidates=["mxfp8"], keep_at_most=0)
+    assert advice.passes == 1 + 2 + 3 + 2  # fc: fprop, dgrad+wgrad; head: one pass each
+    head = next(m for m in advice.modules if m.name == "head").measurements[0]
+    ref = _tied_grads(model, batch, loss, None)
+    for i, parts in ((1, "fp32/mxfp8/fp32"), (2, "fp32/fp32/mxfp8")):
+        low = _tied_grads(model, batch, loss, parts)
+        noise = _noise(low, ref, set(range(len(ref))))
+        assert head.matmuls is not None
+        assert head.matmuls[i] == pytest.approx(_db(noise, ref), abs=0.01), parts
+
+
+def _tied_grads(model: nn.Module, batch: Any, loss: Any, parts: str | None) -> list[torch.Tensor]:
+    handle = None
+    if parts is not None:
+        plan = Plan(get_recipe(parts), torch.float32, scaled_mm=False)
+
+        def forward(mod: nn.Module, args: Any, out: Any) -> torch.Tensor:
+            return fp8_linear(args[0], mod.weight, mod.bias, plan).float()
+
+        handle = model.head.register_forward_hook(forward)
+    model.zero_grad(set_to_none=True)
+    loss(model, batch).backward()
+    if handle is not None:
+        handle.remove()
+    return [p.grad.detach().clone() for p in model.parameters()]
 
 
 @pytest.mark.parametrize("recipe", ["mxfp8", "nvfp4", "tensorwise"])

@@ -33,6 +33,7 @@ from mixprec._src.advisor.arguments import (
 from mixprec._src.advisor.choose.options import PerMatmul, mix_measurement, module_choice
 from mixprec._src.advisor.choose.policy import build_policy
 from mixprec._src.advisor.choose.search import Proposal, Target, search
+from mixprec._src.advisor.measure.alone import isolated, measure_alone, passes_per, tied_modules
 from mixprec._src.advisor.measure.guard import Guard
 from mixprec._src.advisor.measure.metrics import db_to_ratio, ratio_to_db
 from mixprec._src.advisor.measure.passes import (
@@ -40,9 +41,6 @@ from mixprec._src.advisor.measure.passes import (
     Job,
     Progress,
     Subject,
-    isolated,
-    measure_alone,
-    passes_per,
     propose_scale,
     uses_fp16,
     with_policy,
@@ -188,8 +186,9 @@ def advise(
     job = Job(model, [batch, *more_batches], loss_fn, device, cands, region_dtype(cands), progress)
     goal = Goal(Target(min_sqnr, keep_at_most, objective), spec, check, per_matmul, min_speedup)
     with Guard(model, device) as guard:
-        engine = Engine(job, guard, planned=_planned(chosen, goal))
-        return _advise(engine, _subjects(chosen, guard.params), goal)
+        tied = tied_modules(model)
+        engine = Engine(job, guard, planned=_planned(chosen, goal, tied))
+        return _advise(engine, _subjects(chosen, guard.params, tied), goal)
 
 
 @dataclass(frozen=True)
@@ -217,7 +216,7 @@ class Found:
     flops: FlopCount | None = None
 
 
-def _subjects(chosen: list[Chosen], params: list[nn.Parameter]) -> list[Subject]:
+def _subjects(chosen: list[Chosen], params: list[nn.Parameter], tied: set[int]) -> list[Subject]:
     position = {id(p): i for i, p in enumerate(params)}
     return [
         Subject(
@@ -226,22 +225,24 @@ def _subjects(chosen: list[Chosen], params: list[nn.Parameter]) -> list[Subject]
             sorted({position[id(p)] for p in c.module.parameters()}),
             c.serving,
             c.why_not,
+            tied=id(c.module) in tied,
         )
         for c in chosen
     ]
 
 
-def _planned(chosen: list[Chosen], goal: Goal) -> int:
+def _planned(chosen: list[Chosen], goal: Goal, tied: set[int]) -> int:
     """The reference, the isolated passes, the region, the cheapest policy and the check (the
     engine is told of kept modules measured around fp8, and of a check it need not run); for
     the fastest policy without a target, the reference and that policy."""
     if _once(goal):
         return 2
-    return 1 + _alone_passes([c.serving for c in chosen], goal) + 2 + int(goal.check)
+    serving = [(c.serving, id(c.module) in tied) for c in chosen]
+    return 1 + _alone_passes(serving, goal) + 2 + int(goal.check)
 
 
-def _alone_passes(serving: list[tuple[Candidate, ...]], goal: Goal) -> int:
-    return sum(passes_per(c, goal.per_matmul) for cands in serving for c in cands)
+def _alone_passes(serving: list[tuple[tuple[Candidate, ...], bool]], goal: Goal) -> int:
+    return sum(passes_per(c, goal.per_matmul, tied) for cands, tied in serving for c in cands)
 
 
 def _advise(engine: Engine, subjects: list[Subject], goal: Goal) -> Advice:
@@ -332,7 +333,8 @@ def _fastest_once(
     policy = build_policy(job.model, picked, format_dtype(job.region), names)
     sqnr = with_policy(engine, "the fastest policy, measured once", policy)
     if math.isnan(sqnr) or sqnr == -math.inf:
-        engine.expect(_alone_passes([s.serving for s in served], goal) + 2 + int(goal.check))
+        serving = [(s.serving, s.tied) for s in served]
+        engine.expect(_alone_passes(serving, goal) + 2 + int(goal.check))
         engine.run_reference(ran)  # the modules' own tensors, to measure each alone
         return None
     rows = [_row(job, s, found, proposal, goal) for s in ran]

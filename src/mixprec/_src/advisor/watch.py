@@ -53,9 +53,10 @@ from mixprec._src.advisor.arguments import (
 from mixprec._src.advisor.choose.options import PerMatmul, module_choice
 from mixprec._src.advisor.choose.policy import build_policy, forward_high, rule_in_force
 from mixprec._src.advisor.choose.search import Target, search
+from mixprec._src.advisor.measure.alone import isolated
 from mixprec._src.advisor.measure.guard import Guard
 from mixprec._src.advisor.measure.metrics import db_to_ratio, ratio_to_db
-from mixprec._src.advisor.measure.passes import Engine, Job, Subject, in_pass, isolated
+from mixprec._src.advisor.measure.passes import Engine, Job, Subject, in_pass
 from mixprec._src.advisor.report.advice import Advice, Measurement, ModuleAdvice
 from mixprec._src.advisor.report.watch import (
     WatchRecord,

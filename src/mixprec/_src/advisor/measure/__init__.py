@@ -1,1 +1,2 @@
-"""Measuring: the guard around the model, the passes and their hooks, the error figures."""
+"""Measuring: the guard around the model, the passes and their hooks, one module alone (whole or
+per matmul), the error figures."""

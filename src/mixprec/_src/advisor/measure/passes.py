@@ -1,4 +1,5 @@
-"""The passes: the float32 reference, one module alone in a candidate, the region under a policy.
+"""The passes: the engine that runs and counts them, the float32 reference, the region under a
+policy (one module alone in a candidate: :mod:`.alone`).
 
 Every pass runs the loss function on every batch, then backward (of the loss times the loss scale
 when float16 is involved), then takes the parameters' gradients. Between passes the
@@ -32,14 +33,10 @@ from torch import nn
 
 from mixprec._src.advisor.arguments import LOSS_FORM, Candidate
 from mixprec._src.advisor.measure.guard import Guard
-from mixprec._src.advisor.measure.metrics import FP16_MAX, Fp16Range, Power, fp16_range, ratio_to_db
-from mixprec._src.advisor.report.advice import Measurement
+from mixprec._src.advisor.measure.metrics import FP16_MAX, Power
 from mixprec._src.advisor.speed.model import FlopCount, counting
 from mixprec._src.autocast.policy import Policy
 from mixprec._src.autocast.region import autocast
-from mixprec._src.fp8 import hook as fp8_hook
-from mixprec._src.fp8.recipes import get_recipe
-from mixprec._src.fp8.stats import Fp8Stats
 from mixprec._src.torch_compat import compiled_runs_eagerly, tree_flatten, tree_map
 from mixprec.errors import ConfigError
 
@@ -250,6 +247,7 @@ class Subject:
     serving: tuple[Candidate, ...] = ()
     why_not: str = ""
     record: Record = field(default_factory=Record)
+    tied: bool = False  # it holds a parameter another module holds too
 
 
 @dataclass
@@ -448,111 +446,6 @@ def _float32(device_type: str) -> autocast:
 _NO_RULES = Policy()
 
 
-def isolated(engine: Engine, subject: Subject, cand: Candidate, split: bool = False) -> Measurement:
-    """Run ``subject`` alone in ``cand`` (the rest in float32) and compare with the reference;
-    with ``split``, a registry recipe per matmul (:func:`_per_matmul`, two passes)."""
-    if split and cand.splits:
-        return _per_matmul(engine, subject, cand)
-    stats = Fp8Stats() if cand.recipe is not None else None
-    tap, grads = _run_alone(engine, subject, cand, stats)
-    has_input_grads = subject.record.has_input_grad
-    weight = engine.subset_power(grads, subject.param_index) if subject.param_index else None
-    return Measurement(
-        candidate=cand.word,
-        model_grad_sqnr=engine.model_power(grads).sqnr,
-        output_sqnr=tap.comparison.output.sqnr,
-        input_grad_sqnr=tap.comparison.input_grad.sqnr if has_input_grads else None,
-        weight_grad_sqnr=None if weight is None else weight.sqnr,
-        fp8=None if stats is None else stats.read().get(subject.name),
-    )
-
-
-def passes_per(cand: Candidate, split: bool) -> int:
-    """The passes :func:`isolated` runs for one module in ``cand``. Host sync: none."""
-    return 2 if split and cand.splits else 1
-
-
-def _run_alone(
-    engine: Engine,
-    subject: Subject,
-    cand: Candidate,
-    stats: Fp8Stats | None,
-    label: str | None = None,
-    what: str | None = None,
-    hp: torch.dtype | None = None,
-) -> tuple[Tap, list[torch.Tensor | None]]:
-    tap = Tap(subject.module, against=subject.record, scale=engine.scale)
-    make = _alone_in(cand, subject, engine, stats, label, hp)
-    text = f"{subject.name} {what or 'in ' + cand.word}"
-    return tap, engine.run(text, [tap], isolate=(subject.module, make))
-
-
-def _per_matmul(engine: Engine, subject: Subject, cand: Candidate) -> Measurement:
-    """``cand``'s recipe one matmul at a time, in two passes: fprop in it (dgrad and wgrad in
-    float32, the module's input and output in the region's dtype as the policy has them), then
-    dgrad and wgrad in it with the forward exact (fprop in float32, float32 around it): dgrad's
-    error reaches only the gradients upstream of the module and wgrad's only its own weight's,
-    so the second pass tells them apart by where the error landed, and the region's rounding
-    of the module's input and output is counted once, in the first. The casts of both passes
-    are recorded as the recipe's."""
-    word, stats = cand.word, Fp8Stats()
-    forward = Candidate.of(f"{word}/fp32/fp32")
-    backward = Candidate.of(f"fp32/{word}/{word}")
-    tap_f, grads_f = _run_alone(engine, subject, forward, stats, cand.recipe, f"fprop in {word}")
-    text = f"dgrad, wgrad in {word}"
-    exact = torch.float32
-    tap_b, grads_b = _run_alone(engine, subject, backward, stats, cand.recipe, text, exact)
-    own = subject.param_index
-    others = [i for i in range(len(engine.reference)) if i not in set(own)]
-    whole = engine.model_power(grads_b)
-    fprop = engine.model_power(grads_f).ratio
-    dgrad = Power(whole.signal, engine.subset_power(grads_b, others).noise).ratio
-    wgrad = Power(whole.signal, engine.subset_power(grads_b, own).noise).ratio
-    has_input_grads = subject.record.has_input_grad
-    return Measurement(
-        candidate=word,
-        model_grad_sqnr=ratio_to_db(fprop + dgrad + wgrad),
-        output_sqnr=tap_f.comparison.output.sqnr,
-        input_grad_sqnr=tap_b.comparison.input_grad.sqnr if has_input_grads else None,
-        weight_grad_sqnr=engine.subset_power(grads_b, own).sqnr if own else None,
-        fp8=stats.read().get(subject.name),
-        matmuls=(ratio_to_db(fprop), ratio_to_db(dgrad), ratio_to_db(wgrad)),
-    )
-
-
-def _alone_in(
-    cand: Candidate,
-    subject: Subject,
-    engine: Engine,
-    stats: Fp8Stats | None,
-    label: str | None = None,
-    hp: torch.dtype | None = None,
-) -> Callable[[], AbstractContextManager[Any]]:
-    """A factory of the region ``subject`` runs in while the rest stays in float32. An fp8
-    candidate runs the module's matmuls in fp8 with the region's dtype around them (as the
-    policy will; ``hp`` instead, if given) and records the module's casts into ``stats`` under
-    its name (and the recipe name ``label``, default its own)."""
-    dtype, recipe, region = cand.dtype, cand.recipe, hp or engine.job.region
-    if recipe is not None:
-        assert stats is not None
-        return lambda: _fp8_module(subject.module, subject.name, recipe, region, stats, label)
-    assert dtype is not None
-    device_type = engine.device_type
-    return lambda: autocast(device_type, dtype=dtype)
-
-
-@contextmanager
-def _fp8_module(
-    module: nn.Module, name: str, recipe: str, hp: torch.dtype, stats: Fp8Stats, label: str | None
-) -> Iterator[None]:
-    with stats:
-        token = fp8_hook.enter_module(module, name, get_recipe(recipe), hp, label)
-        try:
-            yield
-        finally:
-            fp8_hook.exit_module(token)
-
-
 def with_policy(engine: Engine, label: str, policy: Policy | None) -> float:
     """Whole-model gradient SQNR with the model in the region under ``policy``."""
     device_type, dtype = engine.device_type, engine.job.region
@@ -561,28 +454,6 @@ def with_policy(engine: Engine, label: str, policy: Policy | None) -> float:
         return autocast(device_type, dtype=dtype, policy=policy or _NO_RULES)
 
     return engine.model_power(engine.run(label, region=region)).sqnr
-
-
-def measure_alone(
-    engine: Engine, subjects: Sequence[Subject], split: bool = False
-) -> tuple[dict[str, Fp16Range | None], dict[str, list[Measurement]]]:
-    """Each subject alone in each candidate that serves it (a registry recipe per matmul with
-    ``split``); with float16 in play, first the proposed loss scale (every later pass uses it),
-    and each subject's float16 range figures (else none)."""
-    fp16 = uses_fp16(engine.job)
-    if fp16:
-        engine.scale = propose_scale(subjects, engine.reference)
-    alone = {s.name: [isolated(engine, s, c, split) for c in s.serving] for s in subjects}
-    ranges = {s.name: _range(s, engine) if fp16 else None for s in subjects}
-    return ranges, alone
-
-
-def _range(t: Subject, engine: Engine) -> Fp16Range:
-    record = t.record
-    grads = [engine.reference[i] for i in t.param_index]
-    for calls in (record.output_grads, record.input_grads):
-        grads += [g for call in calls for g in call]
-    return fp16_range([o for call in record.outputs for o in call], grads, engine.scale)
 
 
 def uses_fp16(job: Job) -> bool:

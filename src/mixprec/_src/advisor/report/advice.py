@@ -42,7 +42,8 @@ class Measurement:
             and wgrad in the recipe (their errors reach different gradients: dgrad's those of
             everything upstream, wgrad's the module's own weight; that pass gives
             ``input_grad_sqnr`` and ``weight_grad_sqnr``). ``model_grad_sqnr`` is then the
-            three errors added. A module whose input needs no gradient runs no dgrad: inf.
+            three errors added. A module whose input needs no gradient runs no dgrad: inf. A
+            module whose weight is tied to another's gets a pass for dgrad and one for wgrad.
             None: the module measured whole, in one pass.
     """
 
