@@ -33,7 +33,7 @@ from mixprec._src.advisor.arguments import (
 from mixprec._src.advisor.choose.options import PerMatmul, mix_measurement, module_choice
 from mixprec._src.advisor.choose.policy import build_policy
 from mixprec._src.advisor.choose.search import Proposal, Target, search
-from mixprec._src.advisor.measure.alone import isolated, measure_alone, passes_per, tied_modules
+from mixprec._src.advisor.measure.alone import isolated, measure_alone, passes_per
 from mixprec._src.advisor.measure.guard import Guard
 from mixprec._src.advisor.measure.metrics import db_to_ratio, ratio_to_db
 from mixprec._src.advisor.measure.passes import (
@@ -41,6 +41,7 @@ from mixprec._src.advisor.measure.passes import (
     Job,
     Progress,
     Subject,
+    fp16_figures,
     propose_scale,
     uses_fp16,
     with_policy,
@@ -186,9 +187,7 @@ def advise(
     job = Job(model, [batch, *more_batches], loss_fn, device, cands, region_dtype(cands), progress)
     goal = Goal(Target(min_sqnr, keep_at_most, objective), spec, check, per_matmul, min_speedup)
     with Guard(model, device) as guard:
-        tied = tied_modules(model)
-        engine = Engine(job, guard, planned=_planned(chosen, goal, tied))
-        return _advise(engine, _subjects(chosen, guard.params, tied), goal)
+        return _advise(job, guard, _subjects(chosen, guard), goal)
 
 
 @dataclass(frozen=True)
@@ -216,8 +215,8 @@ class Found:
     flops: FlopCount | None = None
 
 
-def _subjects(chosen: list[Chosen], params: list[nn.Parameter], tied: set[int]) -> list[Subject]:
-    position = {id(p): i for i, p in enumerate(params)}
+def _subjects(chosen: list[Chosen], guard: Guard) -> list[Subject]:
+    position = {id(p): i for i, p in enumerate(guard.params)}
     return [
         Subject(
             c.name,
@@ -225,30 +224,30 @@ def _subjects(chosen: list[Chosen], params: list[nn.Parameter], tied: set[int]) 
             sorted({position[id(p)] for p in c.module.parameters()}),
             c.serving,
             c.why_not,
-            tied=id(c.module) in tied,
+            tied=id(c.module) in guard.tied,
         )
         for c in chosen
     ]
 
 
-def _planned(chosen: list[Chosen], goal: Goal, tied: set[int]) -> int:
+def _planned(subjects: list[Subject], goal: Goal) -> int:
     """The reference, the isolated passes, the region, the cheapest policy and the check (the
     engine is told of kept modules measured around fp8, and of a check it need not run); for
     the fastest policy without a target, the reference and that policy."""
     if _once(goal):
         return 2
-    serving = [(c.serving, id(c.module) in tied) for c in chosen]
-    return 1 + _alone_passes(serving, goal) + 2 + int(goal.check)
+    return 1 + _alone_passes(subjects, goal) + 2 + int(goal.check)
 
 
-def _alone_passes(serving: list[tuple[tuple[Candidate, ...], bool]], goal: Goal) -> int:
-    return sum(passes_per(c, goal.per_matmul, tied) for cands, tied in serving for c in cands)
+def _alone_passes(subjects: list[Subject], goal: Goal) -> int:
+    return sum(passes_per(c, goal.per_matmul, s.tied) for s in subjects for c in s.serving)
 
 
-def _advise(engine: Engine, subjects: list[Subject], goal: Goal) -> Advice:
+def _advise(job: Job, guard: Guard, subjects: list[Subject], goal: Goal) -> Advice:
     """Measure, search and report (the model is guarded by the caller)."""
-    job = engine.job
+    planned = _planned(subjects, goal)
     flops = FlopCount() if goal.gpu is not None else None
+    engine = Engine(job, guard, planned)
     engine.run_reference(subjects, flops, shapes_only=_once(goal))
     ran = sorted((s for s in subjects if s.record.calls), key=lambda s: s.record.first_call)
     served = [s for s in ran if s.serving]
@@ -256,7 +255,8 @@ def _advise(engine: Engine, subjects: list[Subject], goal: Goal) -> Advice:
         once = _fastest_once(engine, ran, goal, flops)
         if once is not None:
             return once
-    ranges, alone = measure_alone(engine, served, goal.per_matmul)
+    ranges = fp16_figures(engine, served)
+    alone = measure_alone(engine, served, goal.per_matmul)
     found = _timed(Found(ranges, alone, {}, flops=flops), ran, job, goal.gpu)
     touched = [s for s in served if found.gemms[s.name] is not None or not _exact(alone[s.name])]
     names = [s.name for s in touched]
@@ -333,8 +333,7 @@ def _fastest_once(
     policy = build_policy(job.model, picked, format_dtype(job.region), names)
     sqnr = with_policy(engine, "the fastest policy, measured once", policy)
     if math.isnan(sqnr) or sqnr == -math.inf:
-        serving = [(s.serving, s.tied) for s in served]
-        engine.expect(_alone_passes(serving, goal) + 2 + int(goal.check))
+        engine.expect(_alone_passes(served, goal) + 2 + int(goal.check))
         engine.run_reference(ran)  # the modules' own tensors, to measure each alone
         return None
     rows = [_row(job, s, found, proposal, goal) for s in ran]

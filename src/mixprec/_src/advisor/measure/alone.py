@@ -22,8 +22,8 @@ import torch
 from torch import nn
 
 from mixprec._src.advisor.arguments import Candidate
-from mixprec._src.advisor.measure.metrics import Fp16Range, Power, fp16_range, ratio_to_db
-from mixprec._src.advisor.measure.passes import Engine, Subject, Tap, propose_scale, uses_fp16
+from mixprec._src.advisor.measure.metrics import Power, ratio_to_db
+from mixprec._src.advisor.measure.passes import Engine, Subject, Tap
 from mixprec._src.advisor.report.advice import Measurement
 from mixprec._src.autocast.region import autocast
 from mixprec._src.fp8 import hook as fp8_hook
@@ -33,16 +33,10 @@ from mixprec._src.fp8.stats import Fp8Stats
 
 def measure_alone(
     engine: Engine, subjects: Sequence[Subject], split: bool = False
-) -> tuple[dict[str, Fp16Range | None], dict[str, list[Measurement]]]:
+) -> dict[str, list[Measurement]]:
     """Each subject alone in each candidate that serves it (a registry recipe per matmul with
-    ``split``); with float16 in play, first the proposed loss scale (every later pass uses it),
-    and each subject's float16 range figures (else none)."""
-    fp16 = uses_fp16(engine.job)
-    if fp16:
-        engine.scale = propose_scale(subjects, engine.reference)
-    alone = {s.name: [isolated(engine, s, c, split) for c in s.serving] for s in subjects}
-    ranges = {s.name: _range(s, engine) if fp16 else None for s in subjects}
-    return ranges, alone
+    ``split``)."""
+    return {s.name: [isolated(engine, s, c, split) for c in s.serving] for s in subjects}
 
 
 def isolated(engine: Engine, subject: Subject, cand: Candidate, split: bool = False) -> Measurement:
@@ -73,16 +67,6 @@ def passes_per(cand: Candidate, split: bool, tied: bool = False) -> int:
         return 2
     recipe = get_recipe(cand.recipe or "")
     return 1 + sum(a is not None for a, _ in recipe.pairs[1:])
-
-
-def tied_modules(model: nn.Module) -> set[int]:
-    """The ids of ``model``'s modules that hold a parameter another module holds too. Host
-    sync: none."""
-    owners: dict[int, list[nn.Module]] = {}
-    for module in model.modules():
-        for p in module.parameters(recurse=False):
-            owners.setdefault(id(p), []).append(module)
-    return {id(m) for mods in owners.values() if len(mods) > 1 for m in mods}
 
 
 def per_matmul(engine: Engine, subject: Subject, cand: Candidate) -> Measurement:
@@ -182,11 +166,3 @@ def _fp8_module(
             yield
         finally:
             fp8_hook.exit_module(token)
-
-
-def _range(t: Subject, engine: Engine) -> Fp16Range:
-    record = t.record
-    grads = [engine.reference[i] for i in t.param_index]
-    for calls in (record.output_grads, record.input_grads):
-        grads += [g for call in calls for g in call]
-    return fp16_range([o for call in record.outputs for o in call], grads, engine.scale)

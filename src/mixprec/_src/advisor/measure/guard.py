@@ -31,6 +31,7 @@ class Guard:
         self.model = model
         self.device = device
         self.params = [p for p in model.parameters()]
+        self.tied = _tied(model)
         self._grads: list[torch.Tensor | None] = []
         self._buffers: list[tuple[nn.Module, str, torch.Tensor, torch.Tensor]] = []
         self._versions: list[int] = []
@@ -99,6 +100,16 @@ class Guard:
         self._restore_buffers()
         self._restore_modes()
         _set_rng_state(self.device, self._rng)
+
+
+def _tied(model: nn.Module) -> set[int]:
+    """The ids of ``model``'s modules that hold a parameter another module holds too (a head
+    tied to the embedding)."""
+    owners: dict[int, list[nn.Module]] = {}
+    for module in model.modules():
+        for p in module.parameters(recurse=False):
+            owners.setdefault(id(p), []).append(module)
+    return {id(m) for mods in owners.values() if len(mods) > 1 for m in mods}
 
 
 def _device_rng(device: torch.device) -> Any:

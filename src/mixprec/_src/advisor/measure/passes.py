@@ -1,5 +1,6 @@
-"""The passes: the engine that runs and counts them, the float32 reference, the region under a
-policy (one module alone in a candidate: :mod:`.alone`).
+"""The passes: the engine that runs and counts them, the float32 reference and what it tells of
+float16's range (the proposed loss scale, each module's values out of range or flushed), the
+region under a policy (one module alone in a candidate: :mod:`.alone`).
 
 Every pass runs the loss function on every batch, then backward (of the loss times the loss scale
 when float16 is involved), then takes the parameters' gradients. Between passes the
@@ -33,7 +34,8 @@ from torch import nn
 
 from mixprec._src.advisor.arguments import LOSS_FORM, Candidate
 from mixprec._src.advisor.measure.guard import Guard
-from mixprec._src.advisor.measure.metrics import FP16_MAX, Power
+from mixprec._src.advisor.measure.metrics import Power
+from mixprec._src.advisor.report.advice import Fp16Range
 from mixprec._src.advisor.speed.model import FlopCount, counting
 from mixprec._src.autocast.policy import Policy
 from mixprec._src.autocast.region import autocast
@@ -44,6 +46,11 @@ from mixprec.errors import ConfigError
 #: scale and the float16 maximum (gradients grow during training; the scaler grows the scale).
 SCALE_HEADROOM = 2.0**4
 SCALE_RANGE = (2.0**-24, 2.0**24)
+#: The largest finite float16 value.
+FP16_MAX = 65504.0
+#: The smallest magnitude that float16 rounds to infinity (65504 plus half an ulp; ties go to the
+#: even mantissa, which is infinity's).
+FP16_OVERFLOW = 65520.0
 
 Progress = Callable[[int, int, str], None]
 
@@ -399,6 +406,16 @@ def _checked_loss(loss: object) -> torch.Tensor:
     return loss
 
 
+def fp16_figures(engine: Engine, subjects: Sequence[Subject]) -> dict[str, Fp16Range | None]:
+    """With float16 in play (the region's dtype or a candidate), the proposed loss scale, set
+    on ``engine`` (every later pass runs at it), and each subject's float16 range figures from
+    the reference pass; else no figures. Host sync: several per subject."""
+    if not uses_fp16(engine.job):
+        return {s.name: None for s in subjects}
+    engine.scale = propose_scale(subjects, engine.reference)
+    return {s.name: _fp16_range(s, engine.reference, engine.scale) for s in subjects}
+
+
 def propose_scale(subjects: Sequence[Subject], grads: Sequence[torch.Tensor | None]) -> float:
     """The largest power of two that keeps every reference gradient SCALE_HEADROOM times below
     the float16 maximum (clamped to SCALE_RANGE). Host sync: one per tensor."""
@@ -419,6 +436,51 @@ def _all_grads(
         for calls in (t.record.output_grads, t.record.input_grads):
             out += [g for call in calls for g in call if g is not None and g.numel()]
     return out
+
+
+def _fp16_overflows(t: torch.Tensor, scale: float = 1.0) -> int:
+    """How many values of ``t * scale`` float16 rounds to infinity. Host sync: one."""
+    return int((t.detach().abs().float() * scale >= FP16_OVERFLOW).sum())
+
+
+def _fp16_flushed(t: torch.Tensor, scale: float = 1.0) -> tuple[int, int]:
+    """(non-zero values of ``t * scale`` that float16 rounds to zero, non-zero values).
+
+    ``scale`` is a power of two, so ``t * scale`` is exact in float32. Host sync: one.
+    """
+    scaled = t.detach().float() * scale
+    nonzero = scaled != 0
+    flushed = nonzero & (scaled.to(torch.float16) == 0)
+    return int(flushed.sum()), int(nonzero.sum())
+
+
+def _fp16_range(
+    subject: Subject, reference: Sequence[torch.Tensor | None], scale: float
+) -> Fp16Range:
+    """How a module's reference outputs and gradients (of its parameters, output and inputs)
+    fit float16, unscaled and at the loss ``scale``."""
+    record = subject.record
+    outputs = [o for call in record.outputs for o in call]
+    grads = [reference[i] for i in subject.param_index]
+    for calls in (record.output_grads, record.input_grads):
+        grads += [g for call in calls for g in call]
+    present = [g for g in grads if g is not None and g.numel()]
+    flushed = [0, 0, 0]  # unscaled, scaled, non-zero
+    overflow = 0
+    for g in present:
+        a, n = _fp16_flushed(g)
+        b, _ = _fp16_flushed(g, scale)
+        flushed[0], flushed[1], flushed[2] = flushed[0] + a, flushed[1] + b, flushed[2] + n
+        overflow += _fp16_overflows(g, scale)
+    nonzero = max(flushed[2], 1)
+    return Fp16Range(
+        output_overflow=sum(_fp16_overflows(o) for o in outputs),
+        output_max=max((float(o.abs().max()) for o in outputs if o.numel()), default=0.0),
+        grad_max=max((float(g.abs().max()) for g in present), default=0.0),
+        flushed_unscaled=flushed[0] / nonzero,
+        flushed_scaled=flushed[1] / nonzero,
+        grad_overflow_scaled=overflow,
+    )
 
 
 _PASS = threading.local()
