@@ -212,3 +212,14 @@ def test_per_matmul_and_the_sqnr_objective_from_the_command_line() -> None:
     doc = json.loads(out)
     assert doc["per_matmul"] is False
     assert all(x["matmuls"] is None for m in doc["modules"] for x in m["measurements"])
+
+
+def test_modules_split_at_commas_outside_a_globs_brackets() -> None:
+    """A comma inside ``[...]`` belongs to the glob, as in a policy string."""
+    argv = ["advise", "tests/advisor_models.py:small_task", "--candidates", "bf16", "--json"]
+    code, out, err = _run([*argv, "--no-progress", "--modules", "[c,o]*, fc"])
+    assert code == 0, err
+    assert sorted(m["name"] for m in json.loads(out)["modules"]) == ["conv", "fc", "out"]
+    code, out, err = _run([*argv, "--no-progress", "--modules", "[c,o]*"])
+    assert code == 0, err
+    assert sorted(m["name"] for m in json.loads(out)["modules"]) == ["conv", "out"]

@@ -23,6 +23,7 @@ from torch import nn
 
 import mixprec
 from mixprec._src.advisor.speed.gpus import get_gpu
+from mixprec._src.autocast.targets import split_entries
 from mixprec.cli._command import Command, CommandError
 from mixprec.cli._output import emit, folder_problem, write_file
 from mixprec.errors import ConfigError
@@ -93,8 +94,9 @@ def _speed_arguments(p: argparse.ArgumentParser) -> None:
 def _output_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument(
         "--modules",
-        help="comma-separated name globs to measure (default: every leaf module with trainable "
-        "parameters except norms and embeddings)",
+        help="comma-separated name globs to measure; a comma inside a glob's [...] belongs to "
+        "the glob (default: every leaf module with trainable parameters except norms and "
+        "embeddings)",
     )
     p.add_argument(
         "--check", dest="measure", action="store_true", help="apply the proposal and measure it"
@@ -258,7 +260,7 @@ def run(args: argparse.Namespace) -> int:
         candidates=args.candidates,
         min_sqnr=args.min_sqnr,
         keep_at_most=args.keep_at_most,
-        modules=args.modules.split(",") if args.modules else None,
+        modules=_globs(args.modules),
         check=args.measure,
         progress=progress,
         gpu=args.gpu,
@@ -279,6 +281,13 @@ def run(args: argparse.Namespace) -> int:
             if not args.json:
                 emit(f"plot: {args.plot}")
     return 0
+
+
+def _globs(text: str | None) -> list[str] | None:
+    """``--modules``: split at the commas a policy string splits at (not inside ``[...]``)."""
+    if not text:
+        return None
+    return [g.strip() for g in split_entries(text) if g.strip()]
 
 
 def _call(factory: Callable[[], Any], target: str) -> Any:

@@ -234,7 +234,7 @@ def parse_spec(spec: str) -> tuple[tuple[bool, object, Rule], ...]:
     """Parse ``"nn.LayerNorm=fp32, encoder.*.attn=bf16, F.gelu=low@input"`` into
     ``(is_op, key, rule)`` entries; function names are op rules, classes and globs module rules."""
     entries: list[tuple[bool, object, Rule]] = []
-    for raw in _entries(spec):
+    for raw in split_entries(spec):
         item = raw.strip()
         if not item:
             continue
@@ -250,7 +250,7 @@ def parse_spec(spec: str) -> tuple[tuple[bool, object, Rule], ...]:
     return tuple(entries)
 
 
-def _entries(spec: str) -> list[str]:
+def split_entries(spec: str) -> list[str]:
     """Split a policy string at commas, semicolons and newlines outside a glob's character
     classes (``blocks.[0,1].fc`` may hold commas), read as ``fnmatch`` reads them."""
     parts: list[str] = []
