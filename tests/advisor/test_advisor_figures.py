@@ -368,6 +368,39 @@ def test_the_watch_notices_the_policy_a_compiled_loop_trains(how: str) -> None:
         assert all(e in f for e, f in zip(expected, found, strict=True)), found
 
 
+@pytest.mark.parametrize("compiled", ["before the watch", "after the watch", "never"])
+def test_a_watch_that_saw_no_training_forward_says_so(compiled: str) -> None:
+    """A model compiled before the watch runs its graph without the watch's hook: the first
+    check warns that it cannot tell what the loop trains (compiled after, or eager: no such
+    warning, and the other policy is named)."""
+    advice = mixprec.advise(_net(), _batch(), mse, candidates=["bf16"], keep_at_most=1)
+    other = mixprec.Policy("nn.Linear=fp32")
+    torch.compiler.reset()
+    model = _net()
+    run: nn.Module = model
+    if compiled == "before the watch":
+        run = torch.compile(model, backend="eager")
+        with mixprec.autocast("cpu", dtype=torch.bfloat16, policy=other):
+            mse(run, _batch()).backward()
+    watch = mixprec.Watch(model, mse, advice, every=2)
+    if compiled == "after the watch":
+        run = torch.compile(model, backend="eager")
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        for _ in range(4):
+            with mixprec.autocast("cpu", dtype=torch.bfloat16, policy=other):
+                loss = mse(run, _batch())
+            loss.backward()
+            watch.step(_batch())
+    unseen = [str(w.message) for w in caught if "saw no training forward" in str(w.message)]
+    named = [str(w.message) for w in caught if "'nn.Linear=fp32'" in str(w.message)]
+    if compiled == "before the watch":
+        assert len(unseen) == 1 and "in 2 steps" in unseen[0] and not named
+        assert "Make the Watch before compiling the model" in unseen[0]
+    else:
+        assert not unseen and len(named) == 1
+
+
 def test_a_replaced_or_removed_module_is_named() -> None:
     advice = mixprec.advise(_net(), _batch(), mse, candidates=["fp8"])
     for change, word in (

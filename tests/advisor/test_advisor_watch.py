@@ -17,6 +17,11 @@ from torch import nn
 import mixprec
 from mixprec.errors import ConfigError, MixprecWarning
 
+# These tests call Watch.step() with no training forward between checks (they test the checks);
+# the warning that the watch saw no training forward is tested in test_advisor_figures.py.
+_NO_FORWARD = "mixprec.Watch saw no training forward"
+pytestmark = pytest.mark.filterwarnings(f"ignore:{_NO_FORWARD}")
+
 SINKS = 4
 
 
@@ -83,6 +88,7 @@ def test_growing_outliers_raise_a_warning_and_propose_rowwise(advice: Any) -> No
     watch = mixprec.Watch(model, loss_fn, advice, every=1, sample=3, hook=seen.append)
     with warnings.catch_warnings():
         warnings.simplefilter("error")
+        warnings.filterwarnings("ignore", _NO_FORWARD)
         assert not watch.step(_batch(1.0)).alerts  # the first check: the margins' baseline
     with pytest.warns(MixprecWarning, match=r"dB below bf16 at this step.*propose: .*rowwise"):
         report = watch.step(_batch(1e6))
@@ -183,6 +189,7 @@ def test_a_module_that_loses_ground_gets_its_forward_switched_to_16_bit(
     watch = mixprec.Watch(model, loss_fn, advice, every=1, sample=3, schedule=schedule, apply=True)
     with warnings.catch_warnings():
         warnings.simplefilter("error")
+        warnings.filterwarnings("ignore", _NO_FORWARD)
         _train_step(model, schedule.at(0), _batch(1.0))
         assert not watch.step(_batch(1.0)).alerts
     applied = pytest.warns(MixprecWarning, match=r"Applied to the schedule: .*bf16/")
@@ -251,6 +258,7 @@ def test_a_planned_change_of_rule_starts_a_baseline_of_its_own(advice: Any) -> N
     watch = mixprec.Watch(model, loss_fn, advice, every=1, sample=3, schedule=schedule)
     with warnings.catch_warnings():
         warnings.simplefilter("error")
+        warnings.filterwarnings("ignore", _NO_FORWARD)
         first = watch.step(_batch(1.0))
         then = watch.step(_batch(1.0))
         again = watch.step(_batch(1.0))

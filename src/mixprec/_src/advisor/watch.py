@@ -154,6 +154,7 @@ class Watch:
         self._lost: dict[tuple[str, str], float] = {}  # dB of margin lost since the first
         self._fractions: dict[tuple[str, str], tuple[float | None, float | None]] = {}
         self._flagged: set[str] = set()
+        self._blind_warned = False
         self._lost_ground: set[str] = set()  # modules whose last margin alert stands
         self._records: list[WatchRecord] = []
         self._steps = 0
@@ -169,8 +170,9 @@ class Watch:
         flags and RNG state are left as they were. When the model's training forwards since the
         last step ran under a policy other than the advice's (or outside any mixprec region),
         it warns once per such policy: the watch measures the advice's choices, not what the
-        loop trains. A compiled loop's policy is noticed when its graph is made (for the
-        model compiled after the watch began).
+        loop trains. A compiled loop's policy is noticed when its graph is made; a model
+        compiled before the watch began runs without the watch's hook, and the first check
+        warns that no training forward was seen.
 
         Raises:
             ConfigError: a check is due and no batch was ever passed, or a watched module is no
@@ -187,6 +189,7 @@ class Watch:
         if self._batch is None:
             raise ConfigError("Watch.step() has no batch to check on: pass the step's batch")
         report = self._check(self._batch)
+        self._notice_unseen()
         if report.switch is not None and self.apply:
             report = replace(report, applied=tuple(self._apply(report.records)))
         self.last = report
@@ -325,6 +328,22 @@ class Watch:
                 stacklevel=3,
             )
 
+    def _notice_unseen(self) -> None:
+        """Warn once, at the first check, if no training forward of the model was seen: the
+        watch cannot tell which policy the loop trains."""
+        if self._trained.ever or self._blind_warned:
+            return
+        self._blind_warned = True
+        warnings.warn(
+            f"mixprec.Watch saw no training forward of the model (train mode, grad on) in "
+            f"{self._steps} steps, so it cannot tell which policy the loop trains: a model "
+            "compiled before the Watch was made runs its compiled graph without the watch's "
+            "forward pre-hook. Make the Watch before compiling the model (or before its first "
+            "compiled call); the watch measures the advice's choices either way",
+            MixprecWarning,
+            stacklevel=3,
+        )
+
     def _needs_reference(self, row: ModuleAdvice, cand: Candidate, got: Measurement) -> bool:
         """The 16-bit pass is run the first time a module in a recipe is measured, and when
         its SQNR fell more than ``tolerance`` since: it tells the module's own loss from the
@@ -455,11 +474,13 @@ class _TrainedPolicies:
     def __init__(self, model: nn.Module) -> None:
         self._probe = _PolicyProbe()
         self._handle = model.register_forward_pre_hook(self._probe)
+        self.ever = False  # a training forward (or a compiled graph of one) was seen
         weakref.finalize(self, self._handle.remove)
 
     def take(self) -> list[Policy | None]:
         found = list(self._probe.seen)
         self._probe.seen.clear()
+        self.ever = self.ever or bool(found)
         return found
 
 
