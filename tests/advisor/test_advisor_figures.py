@@ -370,9 +370,10 @@ def test_the_watch_notices_the_policy_a_compiled_loop_trains(how: str) -> None:
 
 @pytest.mark.parametrize("compiled", ["before the watch", "after the watch", "never"])
 def test_a_watch_that_saw_no_training_forward_says_so(compiled: str) -> None:
-    """A model compiled before the watch runs its graph without the watch's hook: the first
-    check warns that it cannot tell what the loop trains (compiled after, or eager: no such
-    warning, and the other policy is named)."""
+    """Never silent about the policy the loop trains. A model compiled before the watch: where
+    Dynamo does not recompile for a hook added later (2.13) its graph runs without the watch's
+    hook and the first check warns that it saw no training forward; where it does (2.14.1) the
+    other policy is named. Compiled after the watch, or eager: the other policy is named."""
     advice = mixprec.advise(_net(), _batch(), mse, candidates=["bf16"], keep_at_most=1)
     other = mixprec.Policy("nn.Linear=fp32")
     torch.compiler.reset()
@@ -394,7 +395,7 @@ def test_a_watch_that_saw_no_training_forward_says_so(compiled: str) -> None:
             watch.step(_batch())
     unseen = [str(w.message) for w in caught if "saw no training forward" in str(w.message)]
     named = [str(w.message) for w in caught if "'nn.Linear=fp32'" in str(w.message)]
-    if compiled == "before the watch":
+    if compiled == "before the watch" and unseen:
         assert len(unseen) == 1 and "in 2 steps" in unseen[0] and not named
         assert "Make the Watch before compiling the model" in unseen[0]
     else:

@@ -170,9 +170,10 @@ class Watch:
         flags and RNG state are left as they were. When the model's training forwards since the
         last step ran under a policy other than the advice's (or outside any mixprec region),
         it warns once per such policy: the watch measures the advice's choices, not what the
-        loop trains. A compiled loop's policy is noticed when its graph is made; a model
-        compiled before the watch began runs without the watch's hook, and the first check
-        warns that no training forward was seen.
+        loop trains. A compiled loop's policy is noticed when its graph is made; where torch
+        does not recompile for a hook added later, a model compiled before the watch began
+        runs without the watch's hook, and the first check warns that no training forward was
+        seen.
 
         Raises:
             ConfigError: a check is due and no batch was ever passed, or a watched module is no
