@@ -40,6 +40,7 @@ import os
 import statistics
 import sys
 import time
+from collections.abc import Callable
 from concurrent.futures import ProcessPoolExecutor
 from pathlib import Path
 from typing import Any
@@ -212,6 +213,23 @@ def _gap(values: list[float], ref: list[float]) -> str:
     return f"{statistics.fmean(gaps):+.3f}{spread} | {rel:+.2f}%"
 
 
+def run_seeds(run: Callable[[int, argparse.Namespace], Any], args: argparse.Namespace) -> list[Any]:
+    """``run(seed, args)`` for every seed: ``args.jobs`` processes at once (spawned), or here."""
+    if args.jobs > 1 and len(args.seeds) > 1:
+        context = multiprocessing.get_context("spawn")
+        with ProcessPoolExecutor(min(args.jobs, len(args.seeds)), mp_context=context) as pool:
+            return list(pool.map(run, args.seeds, [args] * len(args.seeds)))
+    return [run(seed, args) for seed in args.seeds]
+
+
+def save(args: argparse.Namespace, header: str, results: list[Any]) -> None:
+    """With ``--save``, the run's header, seeds and results as JSON (``--merge`` reads them)."""
+    if args.save is not None:
+        Path(args.save).write_text(
+            json.dumps({"header": header, "seeds": args.seeds, "results": results})
+        )
+
+
 def add_run_arguments(parser: argparse.ArgumentParser, width: int) -> None:
     """The model, data and run arguments (fp8_per_matmul.py takes them too)."""
     parser.add_argument("--steps", type=int, default=150)
@@ -258,16 +276,9 @@ def main(argv: list[str] | None = None) -> int:
         results = [r for run in saved for r in run["results"]]
         names = [n for n in names if all(n in r for r in results)]
         print("\n".join(f"merged: {run['header']}" for run in saved))
-    elif args.jobs > 1 and len(args.seeds) > 1:
-        context = multiprocessing.get_context("spawn")
-        with ProcessPoolExecutor(min(args.jobs, len(args.seeds)), mp_context=context) as pool:
-            results = list(pool.map(run_seed, args.seeds, [args] * len(args.seeds)))
     else:
-        results = [run_seed(seed, args) for seed in args.seeds]
-    if args.save is not None:
-        Path(args.save).write_text(
-            json.dumps({"header": header, "seeds": args.seeds, "results": results})
-        )
+        results = run_seeds(run_seed, args)
+    save(args, header, results)
 
     def column(name: str, key: str) -> list[float]:
         return [r[name][key] for r in results]

@@ -35,12 +35,10 @@ from __future__ import annotations
 import argparse
 import importlib.util
 import json
-import multiprocessing
 import os
 import statistics
 import sys
 import time
-from concurrent.futures import ProcessPoolExecutor
 from pathlib import Path
 from typing import Any
 
@@ -222,16 +220,8 @@ def main(argv: list[str] | None = None) -> int:
         )
     )
     print(header + "\n", flush=True)
-    if args.jobs > 1 and len(args.seeds) > 1:
-        context = multiprocessing.get_context("spawn")
-        with ProcessPoolExecutor(min(args.jobs, len(args.seeds)), mp_context=context) as pool:
-            results = list(pool.map(run_seed, args.seeds, [args] * len(args.seeds)))
-    else:
-        results = [run_seed(seed, args) for seed in args.seeds]
-    if args.save is not None:
-        Path(args.save).write_text(
-            json.dumps({"header": header, "seeds": args.seeds, "results": results})
-        )
+    results = GAP.run_seeds(run_seed, args)
+    GAP.save(args, header, results)
     report(results, args.seeds, args.names)
     return 0
 

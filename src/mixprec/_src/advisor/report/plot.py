@@ -130,7 +130,7 @@ def _time_panel(ax: Any, advice: Advice) -> None:
     ax.barh([y - 0.2 for y in ys], base, height=0.4, color="tab:gray", label="bf16")
     ax.barh([y + 0.2 for y in ys], chosen, height=0.4, color="tab:green", label="proposal")
     for y, m in zip(ys, advice.modules, strict=True):
-        if m.time is None:  # no bar: a module without a Linear or conv GEMM is not 0 µs
+        if m.time is None:  # no bar: a module without a Linear or conv GEMM is not timed at all
             ax.text(0.0, y, " not timed alone", va="center", fontsize=7, color="tab:gray")
     left_out = f", {len(step.left_out)} modules not timed" if step.left_out else ""
     ax.set_xlabel(
