@@ -196,18 +196,6 @@ def test_native_policies_follow_the_release() -> None:
     assert "aten::_cudnn_rnn" not in pinned["cuda"]
 
 
-def test_ci_runs_the_oldest_declared_torch() -> None:
-    """The Makefile's TORCH_OLDEST (what CI's ``make test-torches`` runs) is the floor that
-    pyproject.toml declares, so the declared range is the tested one."""
-    root = Path(__file__).resolve().parent.parent
-    floor = re.search(
-        r'^dependencies = \["torch>=([\d.]+)"\]$', (root / "pyproject.toml").read_text(), re.M
-    )
-    oldest = re.search(r"^TORCH_OLDEST := (\S+)$", (root / "Makefile").read_text(), re.M)
-    assert floor is not None and oldest is not None
-    assert floor[1] == ".".join(oldest[1].split(".")[:2])
-
-
 def test_every_entry_of_the_section_is_checked_here() -> None:
     """Each name the "kernels, scaling, fp8, devices" section defines is used by a test above."""
     source = Path(tc.__file__).read_text()
@@ -338,3 +326,68 @@ def test_fsdp2_entries_on_a_one_rank_world() -> None:
         assert "pre" in seen and "post" in seen
     finally:
         dist.destroy_process_group()
+
+
+def test_sparse_values_are_the_stored_values_uncoalesced_too() -> None:
+    indices = torch.tensor([[0, 2, 0]])  # index 0 twice: uncoalesced
+    grad = torch.sparse_coo_tensor(indices, torch.tensor([1.0, 2.0, 3.0]), (4,))
+    assert not grad.is_coalesced()
+    values = tc.sparse_values(grad)
+    assert torch.equal(values, torch.tensor([1.0, 2.0, 3.0]))
+    values.mul_(2)  # a view: the scaler unscales the grad through it
+    assert torch.equal(grad.to_dense(), torch.tensor([8.0, 0.0, 4.0, 0.0]))
+    assert torch.equal(tc.sparse_values(grad.coalesce()), grad.coalesce().values())
+
+
+def test_public_attr_reaches_public_names_only() -> None:
+    assert tc.public_attr(torch, "bfloat16") is torch.bfloat16
+    assert tc.public_attr(torch.nn, "Linear", None) is torch.nn.Linear
+    assert tc.public_attr(torch, "no_such_name", None) is None
+    assert tc.public_attr(torch, "_C", None) is None  # exists, but private
+    with pytest.raises(AttributeError, match="'_C' is private"):
+        tc.public_attr(torch, "_C")
+    assert tc.has_public_attr(torch, "cuda") and not tc.has_public_attr(torch, "_C")
+    module = torch.nn.BatchNorm1d(2)
+    tc.set_public_attr(module, "running_mean", torch.ones(2))
+    assert torch.equal(module.running_mean, torch.ones(2)) and "running_mean" in dict(
+        module.named_buffers()
+    )
+    with pytest.raises(AttributeError, match="private"):
+        tc.set_public_attr(module, "_buffers", {})
+
+
+def test_aten_op_finds_aten_names_underscored_too() -> None:
+    assert tc.aten_op("mm") is torch.ops.aten.mm
+    assert tc.aten_op("_softmax") is torch.ops.aten._softmax
+    assert tc.aten_op("no_such_op") is None
+
+
+def test_cpu_flash_attention_formulas_count_with_the_tensors() -> None:
+    """FlopCounterMode gives the formulas the kernels' tensors (the ``_get_raw`` flag) and counts
+    what they return; the CPU's sdpa runs these kernels (forward and backward)."""
+    from torch.utils.flop_counter import FlopCounterMode
+
+    seen: list[str] = []
+
+    def forward(q: Any, k: Any, v: Any, *args: Any, out_val: Any = None, **kw: Any) -> int:
+        seen.append("forward" if isinstance(q, torch.Tensor) else "shapes")
+        return 1000
+
+    def backward(g: Any, q: Any, k: Any, v: Any, *args: Any, out_val: Any = None, **kw: Any) -> int:
+        seen.append("backward" if isinstance(q, torch.Tensor) else "shapes")
+        return 10
+
+    mapping = tc.cpu_flash_attention_formulas(forward, backward)
+    assert len(mapping) == 2
+    q = torch.randn(1, 2, 4, 8, requires_grad=True)
+    with FlopCounterMode(display=False, custom_mapping=mapping) as counter:
+        torch.nn.functional.scaled_dot_product_attention(q, q, q).sum().backward()
+    assert seen == ["forward", "backward"] and counter.get_total_flops() == 1010
+
+
+def test_compiled_inner_holds_the_eager_module() -> None:
+    module = torch.nn.Linear(2, 2)
+    compiled = torch.compile(module, backend="eager")
+    assert tc.is_compiled_module(compiled) and not tc.is_compiled_module(module)
+    assert getattr(compiled, tc.COMPILED_INNER) is module
+    assert [n for n, _ in compiled.named_modules()] == ["", tc.COMPILED_INNER]

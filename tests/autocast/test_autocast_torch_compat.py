@@ -3,7 +3,6 @@ the torch this runs under (what it returns, and that it still finds what mixprec
 
 from __future__ import annotations
 
-import sys
 from typing import Any
 
 import torch
@@ -61,12 +60,47 @@ def test_both_checkpoints_are_found_from_their_forwards() -> None:
         assert tc.top_saved_tensors_hooks() is not None
 
 
-def test_caller_frame_counts_from_the_caller() -> None:
-    def inner() -> object:
-        return tc.caller_frame(1).f_code
+def test_a_running_checkpoints_recompute_function_is_read_and_replaced() -> None:
+    """Inside a checkpoint's forward its recompute function is found (reentrant or not), and
+    what ``set_recompute_function`` puts there is what the recomputation in backward runs."""
+    ran: list[str] = []
+    found: list[list[str]] = []
 
-    assert tc.caller_frame(0).f_code is sys._getframe().f_code
-    assert inner() is sys._getframe().f_code
+    def body(x: torch.Tensor) -> torch.Tensor:
+        targets = tc.running_checkpoints()
+        found.append([attribute for _, attribute in targets])
+        if targets and not ran:
+            fn = tc.recompute_function(targets[0])
+
+            def wrapped(*args: Any, **kwargs: Any) -> Any:
+                ran.append("wrapped")
+                return fn(*args, **kwargs)
+
+            tc.set_recompute_function(targets[0], wrapped)
+            ran.append("set")
+        return x.sin()
+
+    for reentrant, attribute in ((False, "recompute_fn"), (True, "run_function")):
+        ran.clear()
+        found.clear()
+        x = torch.ones(2, requires_grad=True)
+        checkpoint(body, x, use_reentrant=reentrant).sum().backward()
+        assert found[0] == [attribute] and ran == ["set", "wrapped"]
+        assert x.grad is not None and torch.allclose(x.grad, x.detach().cos())
+    assert tc.running_checkpoints() == []
+
+
+def test_op_name_spells_overloads_as_the_dispatcher() -> None:
+    for op in (
+        torch.ops.aten.mm.default,
+        torch.ops.aten.add.Tensor,
+        torch.ops.aten.sum.dim_IntList,
+    ):
+        schema = op._schema
+        want = schema.name + (f".{schema.overload_name}" if schema.overload_name else "")
+        assert tc.op_name(op) == want
+    assert tc.op_name(torch.ops.aten.mm.default) == "aten::mm"
+    assert tc.op_name("not an op") == "not an op"
 
 
 def test_pytree_leaves_and_the_dispatch_mode() -> None:

@@ -117,6 +117,16 @@ def without_dynamo_wrapper(function: Callable[..., Any]) -> Callable[..., Any]:
     return inspect.unwrap(function)
 
 
+def sparse_values(grad: torch.Tensor) -> torch.Tensor:
+    """The stored values of a sparse COO ``grad`` (``Tensor._values()``: the public ``values()``
+    refuses an uncoalesced tensor, and an embedding's sparse gradient is one). A view: writes
+    into it change ``grad``. Checked on 2.13.0.
+
+    Host sync: none.
+    """
+    return grad._values()
+
+
 #: The pytree helpers (``torch.utils._pytree``; torch has no public module for them in 2.14.1).
 tree_flatten = _pytree.tree_flatten
 tree_map = _pytree.tree_map
@@ -335,18 +345,73 @@ def top_saved_tensors_hooks() -> tuple[Any, Any] | None:
     return torch._C._autograd._top_saved_tensors_default_hooks(False)
 
 
-def caller_frame(depth: int) -> FrameType:
-    """The Python frame ``depth`` levels above the caller (0: the caller's own), whose
-    ``f_back`` chain a reentrant checkpoint's forward is found in by its code. CPython's
-    ``sys._getframe``; checked on 3.10-3.12.
+#: A running checkpoint's recompute function, as where it is held: ``(holder, attribute)``, the
+#: reentrant ``CheckpointFunction``'s ``ctx`` and ``"run_function"``, or the non-reentrant
+#: ``_CheckpointFrame`` and ``"recompute_fn"``.
+CheckpointTarget = tuple[Any, str]
+
+
+def _reentrant_checkpoint(frame: FrameType | None) -> CheckpointTarget | None:
+    """The innermost reentrant checkpoint among ``frame`` and its callers: the ``ctx`` local of
+    ``CheckpointFunction.forward``'s frame (found by its code). Checked on 2.13.0."""
+    while frame is not None:
+        if frame.f_code is REENTRANT_CHECKPOINT_CODE:
+            ctx = frame.f_locals.get("ctx")
+            return None if ctx is None else (ctx, "run_function")
+        frame = frame.f_back
+    return None
+
+
+def _non_reentrant_checkpoint() -> CheckpointTarget | None:
+    """The non-reentrant checkpoint whose saved-tensor hooks are the innermost: the
+    ``_CheckpointFrame`` its pack hook closes over. Checked on 2.13.0."""
+    hooks = top_saved_tensors_hooks()
+    if hooks is None or CHECKPOINT_FRAME_TYPE is None:
+        return None
+    for cell in getattr(hooks[0], "__closure__", None) or ():
+        if isinstance(cell.cell_contents, CHECKPOINT_FRAME_TYPE):
+            return cell.cell_contents, "recompute_fn"
+    return None
+
+
+def running_checkpoints() -> list[CheckpointTarget]:
+    """The checkpoints whose forwards are running now that a recomputation would replay,
+    innermost first: the innermost reentrant one (its forward runs under no_grad, so under
+    no_grad it is inside any non-reentrant one that saves anything) and the non-reentrant one
+    whose saved-tensor hooks are the innermost. Other saved-tensor hooks (``save_on_cpu``, a
+    recomputation's own) hide no reentrant checkpoint. Checked on 2.13.0; where torch moves
+    either, it is not found and autocast's recompute tests fail.
 
     Example:
-        >>> caller_frame(0).f_code.co_name
-        '<module>'
+        >>> running_checkpoints()
+        []
 
     Host sync: none.
     """
-    return sys._getframe(depth + 1)
+    found = []
+    if not torch.is_grad_enabled() and REENTRANT_CHECKPOINT_CODE is not None:
+        found.append(_reentrant_checkpoint(sys._getframe(1)))
+    found.append(_non_reentrant_checkpoint())
+    return [t for t in found if t is not None]
+
+
+def recompute_function(target: CheckpointTarget) -> Callable[..., Any]:
+    """The function ``target``'s checkpoint will run to recompute its forward.
+
+    Host sync: none.
+    """
+    holder, attribute = target
+    return getattr(holder, attribute)  # type: ignore[no-any-return]
+
+
+def set_recompute_function(target: CheckpointTarget, fn: Callable[..., Any]) -> None:
+    """Make ``target``'s checkpoint recompute its forward with ``fn`` (a wrapper of
+    :func:`recompute_function`). Checked on 2.13.0.
+
+    Host sync: none.
+    """
+    holder, attribute = target
+    setattr(holder, attribute, fn)
 
 
 #: The leaves of a nested structure of outputs (``torch.utils._pytree``; no public equivalent).
@@ -355,6 +420,23 @@ pytree_leaves = tree_leaves
 #: The base class of a dispatch mode (the dtype report observes aten ops with one;
 #: ``torch.utils._python_dispatch``, no public equivalent). Checked on 2.13.0, 2.14.1.
 DispatchMode = TorchDispatchMode
+
+
+def op_name(func: Any) -> str:
+    """An aten op's name as the dispatcher spells it (``aten::mm``, ``aten::add.Tensor``: the
+    overload after a dot unless it is the default), read from ``OpOverload.name()``; ``str``
+    of anything else a dispatch mode sees (a higher-order op). ``torch._ops.OpOverload`` is
+    private by module. Checked on 2.13.0.
+
+    Example:
+        >>> op_name(torch.ops.aten.add.Tensor), op_name(torch.ops.aten.mm.default)
+        ('aten::add.Tensor', 'aten::mm')
+
+    Host sync: none.
+    """
+    if isinstance(func, torch._ops.OpOverload):
+        return str(func.name())
+    return str(func)
 
 
 #: A module's children by attribute name (``nn.Module._modules``; ``named_children()`` builds a
@@ -390,7 +472,69 @@ def torch_custom_fwd_state(ctx: Any) -> tuple[bool, torch.dtype] | None:
     return bool(ctx._fwd_used_autocast), ctx._dtype
 
 
+# ---------------------------------------------------------------- names computed at run time
+
+
+def _refuse_private(name: str) -> None:
+    if name.startswith("_"):
+        raise AttributeError(f"{name!r} is private: mixprec reaches it only through torch_compat")
+
+
+def public_attr(obj: Any, name: str, *default: Any) -> Any:
+    """``getattr(obj, name[, default])`` for a ``name`` computed at run time (a dtype's, a device
+    type's, a class's or a user-written name), never a private one: a ``_``-prefixed name raises
+    AttributeError, or returns ``default`` when one is given. So no computed name reaches torch's
+    internals past this module.
+
+    Example:
+        >>> public_attr(torch, "bfloat16"), public_attr(torch, "_C", None)
+        (torch.bfloat16, None)
+
+    Host sync: none.
+    """
+    if name.startswith("_") and default:
+        return default[0]
+    _refuse_private(name)
+    return getattr(obj, name, *default)
+
+
+def has_public_attr(obj: Any, name: str) -> bool:
+    """``hasattr(obj, name)`` for a computed public ``name`` (False for a private one).
+
+    Host sync: none.
+    """
+    return not name.startswith("_") and hasattr(obj, name)
+
+
+def set_public_attr(obj: Any, name: str, value: Any) -> None:
+    """``setattr(obj, name, value)`` for a computed public ``name`` (a module's buffer by the name
+    ``named_buffers`` gave it); a private one raises AttributeError.
+
+    Host sync: none.
+    """
+    _refuse_private(name)
+    setattr(obj, name, value)
+
+
+def aten_op(name: str) -> Any:
+    """The aten op packet called ``name`` (``"mm"``, ``"_softmax"``: aten's own names, whose
+    ``_`` means ATen-internal, not private to Python), or None.
+
+    Example:
+        >>> aten_op("mm") is torch.ops.aten.mm, aten_op("no_such_op")
+        (True, None)
+
+    Host sync: none.
+    """
+    return getattr(torch.ops.aten, name, None)
+
+
 # ---------------------------------------------------------------- the advisor
+
+
+#: The attribute of torch.compile's ``OptimizedModule`` that holds the eager module: its modules
+#: are named ``_orig_mod.<name>``, and a user passes it to the advisor. Checked on 2.13.0.
+COMPILED_INNER = "_orig_mod"
 
 
 def is_compiled_module(module: object) -> bool:
@@ -421,6 +565,30 @@ def compiled_runs_eagerly() -> contextlib.AbstractContextManager[Any]:
     if "torch._dynamo" not in sys.modules:
         return contextlib.nullcontext()
     return torch.compiler.set_stance("force_eager")
+
+
+def cpu_flash_attention_formulas(
+    forward: Callable[..., int], backward: Callable[..., int]
+) -> dict[Any, Callable[..., int]]:
+    """``FlopCounterMode`` ``custom_mapping`` entries for the CPU flash-attention kernels
+    (``aten._scaled_dot_product_flash_attention_for_cpu`` and its ``_backward``), which torch's
+    counter has no formula for: ``forward``/``backward`` take the ops' tensors (flagged
+    ``_get_raw``, so the counter passes tensors rather than shapes). An op torch lacks is left
+    out. Checked on 2.13.0.
+
+    Host sync: none.
+    """
+    aten = torch.ops.aten
+    found = {}
+    for name, fn in (
+        ("_scaled_dot_product_flash_attention_for_cpu", forward),
+        ("_scaled_dot_product_flash_attention_for_cpu_backward", backward),
+    ):
+        op = getattr(aten, name, None)
+        if op is not None:
+            fn._get_raw = True  # type: ignore[attr-defined]
+            found[op] = fn
+    return found
 
 
 #: The private base classes of torch's batch and instance norms and of its convolutions, which

@@ -14,6 +14,7 @@ from typing import Any
 import torch
 
 from mixprec._src.scaling.telemetry import HistoryEntry
+from mixprec._src.torch_compat import public_attr
 from mixprec.cli._report import headline
 from mixprec.cli._task import GROWTH_INTERVAL, RunResult
 
@@ -115,7 +116,7 @@ def _draw_histogram(ax: Any, r: RunResult) -> None:
     ax.stairs(outputs, edges, fill=True, color="#6c8ebf", zorder=3, label="w.r.t. layer outputs")
     bars = ax.legend(loc="upper right", title="gradients", fontsize=8.5, title_fontsize=9)
     patches = []
-    for start, stop, color, label in _ranges(getattr(torch, r.dtype)):
+    for start, stop, color, label in _ranges(public_attr(torch, r.dtype)):
         counts = [a + b for a, b in zip(hist.outputs, hist.weights, strict=True)]
         inside = sum(c for k, c in enumerate(counts, low) if start <= k < stop)
         patch = ax.axvspan(max(start, low), min(stop, high), color=color, zorder=1)
@@ -157,7 +158,7 @@ def _histogram_title(r: RunResult) -> str:
     hist = r.gradients
     assert hist is not None
     name = _SHORT[r.dtype]
-    sub = _ranges(getattr(torch, r.dtype))[0][1]
+    sub = _ranges(public_attr(torch, r.dtype))[0][1]
     counts = [a + b for a, b in zip(hist.outputs, hist.weights, strict=True)]
     below = sum(c for k, c in enumerate(counts, hist.log2_low) if k < sub) / max(sum(counts), 1)
     if not r.scaled:

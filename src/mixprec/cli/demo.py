@@ -22,6 +22,7 @@ from typing import Any
 import torch
 
 import mixprec
+from mixprec._src.torch_compat import public_attr
 from mixprec.cli import _report, _task
 from mixprec.cli._command import Command, CommandError, progress
 from mixprec.cli._figure import PlotUnavailable, write_figure
@@ -51,7 +52,7 @@ def _int_in(low: int, high: int) -> Any:
 
 def _available(dev: torch.device) -> bool | None:
     """``torch.<type>.is_available()`` where torch has one (cuda, mps, xpu, ...), else None."""
-    module = getattr(torch, dev.type, None)
+    module = public_attr(torch, dev.type, None)
     check = getattr(module, "is_available", None)
     return bool(check()) if callable(check) else None
 

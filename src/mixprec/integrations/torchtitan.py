@@ -28,6 +28,8 @@ from typing import Any
 
 import torch
 
+from mixprec._src.torch_compat import public_attr
+
 __all__ = ["MixprecConverter", "mixprec_model_class"]
 
 try:  # imported by name: torchtitan is not a dependency (nor in the type checker's path)
@@ -79,7 +81,7 @@ def mixprec_model_class(parent: type) -> type:
             import mixprec
 
             cfg = self.config  # torchtitan keeps the config it was built from
-            dtype = getattr(torch, cfg.mixprec_dtype)
+            dtype = public_attr(torch, cfg.mixprec_dtype)
             policy = mixprec.Policy(cfg.mixprec_policy)
             return policy, dtype, cfg.mixprec_gather, cfg.mixprec_recompute
 

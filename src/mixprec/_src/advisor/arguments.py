@@ -31,7 +31,7 @@ from mixprec._src.advisor.choose.search import OBJECTIVES
 from mixprec._src.autocast.rules import Rule, format_dtype
 from mixprec._src.fp8 import hook as fp8_hook
 from mixprec._src.fp8.recipes import RECIPES, get_recipe
-from mixprec._src.torch_compat import NORM_BASE, is_compiled_module
+from mixprec._src.torch_compat import COMPILED_INNER, NORM_BASE, is_compiled_module
 from mixprec.errors import ConfigError
 
 LOSS_FORM = (
@@ -162,10 +162,10 @@ def check_model(model: object) -> None:
     if compiled is not None:
         what = "model is" if not compiled else f"model.{compiled} is"
         raise ConfigError(
-            f"{what} a torch.compile'd module, whose modules are named under ._orig_mod where "
-            "a policy names them without it; the advisor measures the eager model: pass the "
-            "module you compiled (its ._orig_mod, the same parameters) and train the compiled "
-            "one with the proposed policy"
+            f"{what} a torch.compile'd module, whose modules are named under .{COMPILED_INNER} "
+            "where a policy names them without it; the advisor measures the eager model: pass the "
+            f"module you compiled (its .{COMPILED_INNER}, the same parameters) and train the "
+            "compiled one with the proposed policy"
         )
 
 

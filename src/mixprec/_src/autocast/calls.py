@@ -203,9 +203,7 @@ def names_run(frame: Frame) -> list[str]:
 
 def is_wrapper(module: nn.Module) -> bool:
     """torch.compile's ``OptimizedModule``: its inner module is the one named and bound."""
-    return type(module).__name__ == "OptimizedModule" and "_orig_mod" in torch_compat.submodules(
-        module
-    )
+    return torch_compat.is_compiled_module(module)
 
 
 def locate(module: nn.Module, frame: Frame) -> tuple[nn.Module, Tree, str] | None:

@@ -14,10 +14,9 @@ checkpoint's recompute function so that it runs under the same rule table. Modul
 the same way: the first module call inside a checkpoint's forward wraps its recompute function with
 the forward's context (:func:`capture_for_recompute`, :class:`.modules.Snapshot`).
 
-This reads two private parts of ``torch.utils.checkpoint`` (torch 2.13): the
-``_CheckpointFrame`` that the non-reentrant forward's saved-tensor hook closes over (its
-``recompute_fn``) and the ``ctx.run_function`` of the reentrant ``CheckpointFunction``. If a
-torch release moves them, :func:`current_checkpoint` finds nothing and the recompute tests fail.
+Finding a running checkpoint and replacing its recompute function reads private parts of
+``torch.utils.checkpoint``: torch_compat does it (:func:`~mixprec._src.torch_compat.
+running_checkpoints`, ``recompute_function``, ``set_recompute_function``).
 """
 
 from __future__ import annotations
@@ -38,49 +37,17 @@ from mixprec._src.autocast.casting import (
 from mixprec._src.autocast.native import backward_autocast_off_while_tracing, never_compiled_alone
 from mixprec._src.autocast.rules import Rule
 from mixprec._src.torch_compat import (
-    CHECKPOINT_FRAME_TYPE,
-    REENTRANT_CHECKPOINT_CODE,
-    caller_frame,
+    CheckpointTarget,
     mark_constant,
-    top_saved_tensors_hooks,
+    recompute_function,
+    running_checkpoints,
+    set_recompute_function,
 )
 
 # ---------------------------------------------------------------- checkpoint replay
 _REPLAYS = "_mixprec_replays"  # attribute of a wrapper: the tables it replays
 
-Target = tuple[Any, str]  # (object, attribute holding the recompute function)
-
-
-def current_checkpoints() -> list[Target]:
-    """The checkpoints whose forwards are running now that a recomputation would replay,
-    innermost first: the innermost reentrant one (its forward runs under no_grad, so under
-    no_grad it is inside any non-reentrant one that saves anything) and the non-reentrant one
-    whose saved-tensor hooks are the innermost. Other saved-tensor hooks (``save_on_cpu``, a
-    recomputation's own) hide no reentrant checkpoint.
-
-    Example:
-        >>> current_checkpoints()
-        []
-
-    Host sync: none.
-    """
-    found: list[Target] = []
-    if not torch.is_grad_enabled() and REENTRANT_CHECKPOINT_CODE is not None:
-        frame: Any = caller_frame(1)
-        while frame is not None:
-            if frame.f_code is REENTRANT_CHECKPOINT_CODE:
-                ctx = frame.f_locals.get("ctx")
-                if ctx is not None:
-                    found.append((ctx, "run_function"))
-                break
-            frame = frame.f_back
-    hooks = top_saved_tensors_hooks()
-    if hooks is not None and CHECKPOINT_FRAME_TYPE is not None:  # non-reentrant forward
-        for cell in getattr(hooks[0], "__closure__", None) or ():
-            if isinstance(cell.cell_contents, CHECKPOINT_FRAME_TYPE):
-                found.append((cell.cell_contents, "recompute_fn"))
-                break
-    return found
+Target = CheckpointTarget  # (the checkpoint's holder, the attribute of its recompute function)
 
 
 def current_checkpoint() -> Target | None:
@@ -92,7 +59,7 @@ def current_checkpoint() -> Target | None:
 
     Host sync: none.
     """
-    found = current_checkpoints()
+    found = running_checkpoints()
     return found[0] if found else None
 
 
@@ -110,8 +77,7 @@ def replay_in(target: Target, table: Mapping[str, Rule], device_type: str) -> No
 
     Host sync: none.
     """
-    owner, attr = target
-    fn = getattr(owner, attr)
+    fn = recompute_function(target)
     replays = getattr(fn, _REPLAYS, ())
     if any(t is table for t, _ in replays):
         return
@@ -122,7 +88,7 @@ def replay_in(target: Target, table: Mapping[str, Rule], device_type: str) -> No
 
     setattr(recompute, _REPLAYS, (*replays, (table, device_type)))
     setattr(recompute, _SNAPSHOT, getattr(fn, _SNAPSHOT, None))
-    setattr(owner, attr, recompute)
+    set_recompute_function(target, recompute)
 
 
 _SNAPSHOT = "_mixprec_snapshot"  # attribute of a wrapper: the forward context it replays
@@ -139,14 +105,14 @@ def capture_for_recompute(snapshot: Callable[[], Any]) -> None:
     Host sync: none.
     """
     snap = None
-    for owner, attr in current_checkpoints():  # nested ones: each that nothing captured yet
-        if getattr(getattr(owner, attr), _SNAPSHOT, None) is None:
+    for target in running_checkpoints():  # nested ones: each that nothing captured yet
+        if getattr(recompute_function(target), _SNAPSHOT, None) is None:
             snap = snapshot() if snap is None else snap
-            _wrap_recompute(owner, attr, snap)
+            _wrap_recompute(target, snap)
 
 
-def _wrap_recompute(owner: Any, attr: str, snap: Any) -> None:
-    fn = getattr(owner, attr)
+def _wrap_recompute(target: Target, snap: Any) -> None:
+    fn = recompute_function(target)
 
     def recompute(*args: Any, **kwargs: Any) -> Any:
         with snap.replaying(args):
@@ -154,7 +120,7 @@ def _wrap_recompute(owner: Any, attr: str, snap: Any) -> None:
 
     setattr(recompute, _SNAPSHOT, snap)
     setattr(recompute, _REPLAYS, getattr(fn, _REPLAYS, ()))
-    setattr(owner, attr, recompute)
+    set_recompute_function(target, recompute)
 
 
 # ---------------------------------------------------------------- the op rule mode

@@ -10,7 +10,7 @@ import torch
 
 from mixprec._src.autocast.modules import current_module_name
 from mixprec._src.autocast.rules import format_dtype
-from mixprec._src.torch_compat import DispatchMode, pytree_leaves
+from mixprec._src.torch_compat import DispatchMode, op_name, pytree_leaves
 
 _SKIP = frozenset({"aten::detach", "aten::alias", "aten::lift_fresh"})
 
@@ -26,14 +26,6 @@ class ReportRow(NamedTuple):
     input_dtypes: tuple[str, ...]
     output_dtype: str
     count: int  # type: ignore[assignment]  # the issue names this field "count"
-
-
-def _op_name(func: Any) -> str:
-    schema = getattr(func, "_schema", None)
-    if schema is None:
-        return str(func)
-    overload = getattr(func, "_overloadname", "default")
-    return schema.name if overload == "default" else f"{schema.name}.{overload}"
 
 
 def _dtypes(value: Any) -> tuple[str, ...]:
@@ -57,7 +49,7 @@ class _Recorder(DispatchMode):
     ) -> Any:
         kwargs = kwargs or {}
         out = func(*args, **kwargs)
-        name = _op_name(func)
+        name = op_name(func)
         if name in _SKIP or (getattr(func, "is_view", False) and not self.report.include_views):
             return out
         outs = _dtypes(out)

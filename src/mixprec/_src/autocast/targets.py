@@ -17,6 +17,7 @@ import torch
 from torch import nn
 
 from mixprec._src.autocast.rules import Rule
+from mixprec._src.torch_compat import aten_op, has_public_attr, public_attr
 from mixprec.errors import ConfigError
 
 _NAMESPACES: tuple[tuple[str, Any], ...] = (
@@ -79,7 +80,7 @@ def _unknown_op(text: str) -> ConfigError:
 
 
 def _unknown_class(text: str) -> ConfigError:
-    classes = [n for n in dir(nn) if _is_module_class(getattr(nn, n))]
+    classes = [n for n in dir(nn) if _is_module_class(public_attr(nn, n, None))]
     close = difflib.get_close_matches(text.rpartition(".")[2], classes, 3)
     hint = f"; did you mean {', '.join('nn.' + c for c in close)}?" if close else ""
     return ConfigError(
@@ -141,7 +142,7 @@ def _resolve_string(text: str) -> tuple[str, object]:
     ``("glob", text)``; raise for a torch name that is neither a class nor a function."""
     if text.startswith("aten::"):
         base = text[len("aten::") :].split(".", 1)[0]
-        if not base or not hasattr(torch.ops.aten, base):
+        if not base or aten_op(base) is None:
             raise _unknown_op(text)
         if base not in python_op_names():
             raise ConfigError(
@@ -158,7 +159,7 @@ def _resolve_string(text: str) -> tuple[str, object]:
     if callable(obj) and not isinstance(obj, type):
         return "op", _label_of_callable(obj)
     first = rest.split(".")[0]
-    if obj is None and root == "nn" and not hasattr(nn, first) and not first[:1].isupper():
+    if obj is None and root == "nn" and not has_public_attr(nn, first) and not first[:1].isupper():
         return "glob", text  # a submodule called nn (torch_geometric's GINConv: "nn.0")
     if text.startswith(("nn.", "torch.nn.")) and obj is None:
         raise _unknown_class(text)
@@ -288,6 +289,6 @@ def glob_tokens(text: str) -> list[tuple[int, str]]:
 
 
 def class_label(cls: type) -> str:
-    if getattr(nn, cls.__name__, None) is cls:
+    if public_attr(nn, cls.__name__, None) is cls:
         return f"nn.{cls.__name__}"
     return f"{cls.__module__}.{cls.__qualname__}"

@@ -7,7 +7,7 @@ from typing import Any
 import torch
 
 from mixprec._src.devices import types_reduced_by
-from mixprec._src.torch_compat import process_group_device_types
+from mixprec._src.torch_compat import process_group_device_types, public_attr
 from mixprec.errors import ConfigError
 
 
@@ -69,7 +69,7 @@ def comm_device(group: Any, device: torch.device) -> torch.device:
     if "cpu" in types:
         return torch.device("cpu")
     kind = sorted(types)[0]
-    module = getattr(torch, kind, None)
+    module = public_attr(torch, kind, None)
     index = module.current_device() if module is not None else 0
     return torch.device(kind, index)
 

@@ -28,7 +28,7 @@ from torch.overrides import TorchFunctionMode
 from mixprec._src.fp8.matmul import Plan, fp8_linear, use_scaled_mm
 from mixprec._src.fp8.recipes import Recipe
 from mixprec._src.fp8.stats import Fp8Stats, active_stats
-from mixprec._src.torch_compat import disable_dynamo
+from mixprec._src.torch_compat import disable_dynamo, public_attr
 from mixprec.errors import ConfigError
 
 SERVES = (
@@ -322,9 +322,9 @@ def _serve_product(
 
 def _label(func: Any) -> str:
     name = getattr(func, "__name__", repr(func))
-    if getattr(F, name, None) is func:
+    if public_attr(F, name, None) is func:
         return f"F.{name}"
-    if getattr(torch, name, None) is func:
+    if public_attr(torch, name, None) is func:
         return f"torch.{name}"
     return f"Tensor.{name}"
 

@@ -40,7 +40,7 @@ def _gather(plan: GradPlan) -> dict[tuple[torch.device, torch.dtype], list]:
         assert grad is not None
         if grad.dtype == torch.float16:
             ref.param.grad = grad = grad.coalesce()
-        groups.setdefault((grad.device, grad.dtype), []).append(grad._values())
+        groups.setdefault((grad.device, grad.dtype), []).append(torch_compat.sparse_values(grad))
     return groups
 
 

@@ -14,6 +14,7 @@ from typing import Any
 import torch
 from torch.utils.hooks import RemovableHandle
 
+from mixprec._src import torch_compat
 from mixprec._src.kernels.plan import iter_params
 from mixprec._src.scaling.rule import Values
 from mixprec.errors import ConfigError, ScaleCollapseError, ScaleCollapseWarning
@@ -217,7 +218,7 @@ def diagnose_optimizers(optimizers: Iterable[torch.optim.Optimizer]) -> Diagnosi
             if grad is None:
                 missing.append(ref.describe())
                 continue
-            values = grad._values() if grad.is_sparse else grad
+            values = torch_compat.sparse_values(grad) if grad.is_sparse else grad
             refs.append(ref)
             flags.append(torch.isfinite(values).all().to("cpu", non_blocking=True))
     finite = torch.stack(flags).tolist() if flags else []

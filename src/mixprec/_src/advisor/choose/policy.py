@@ -10,6 +10,7 @@ from torch import nn
 from mixprec._src.autocast.policy import Policy
 from mixprec._src.autocast.rules import Rule, RuleLike
 from mixprec._src.fp8.recipes import HIGH
+from mixprec._src.torch_compat import public_attr
 from mixprec.errors import ConfigError
 
 
@@ -54,7 +55,7 @@ def _nn_classes(modules: Sequence[nn.Module]) -> list[type[nn.Module]]:
     seen: list[type[nn.Module]] = []
     for m in modules:
         cls = type(m)
-        if getattr(nn, cls.__name__, None) is cls and cls not in seen:
+        if public_attr(nn, cls.__name__, None) is cls and cls not in seen:
             seen.append(cls)
     return seen
 

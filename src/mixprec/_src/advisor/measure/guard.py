@@ -86,7 +86,7 @@ class Guard:
         with torch.no_grad():
             for mod, name, buf, saved in self._buffers:
                 if getattr(mod, name, None) is not buf:
-                    setattr(mod, name, buf)  # the pass replaced the buffer object
+                    torch_compat.set_public_attr(mod, name, buf)  # the pass replaced it
                 buf.copy_(saved)
 
     def __exit__(

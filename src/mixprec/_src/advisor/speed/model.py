@@ -40,7 +40,7 @@ import torch.utils.flop_counter as flop_counter
 from torch import nn
 
 from mixprec._src.advisor.speed.gpus import GPU, KERNEL_FLOOR_S
-from mixprec._src.torch_compat import CONV_BASE
+from mixprec._src.torch_compat import CONV_BASE, cpu_flash_attention_formulas
 
 ROW = 0  #: ``Format.block`` for one scale per row of the contraction (axis-wise, "rowwise")
 
@@ -360,14 +360,7 @@ def _sdpa_backward(
 def _cpu_attention() -> dict[Any, Any]:
     """torch's counter has no formula for the CPU flash-attention kernels: they are given the
     formulas of the other attention kernels."""
-    aten = torch.ops.aten
-    found = {}
-    for name, fn in (("", _sdpa), ("_backward", _sdpa_backward)):
-        op = getattr(aten, f"_scaled_dot_product_flash_attention_for_cpu{name}", None)
-        if op is not None:
-            setattr(fn, "_get_raw", True)  # noqa: B010 (torch reads this flag)
-            found[op] = fn
-    return found
+    return cpu_flash_attention_formulas(_sdpa, _sdpa_backward)
 
 
 class FlopCount:
