@@ -401,7 +401,7 @@ def recompute_function(target: CheckpointTarget) -> Callable[..., Any]:
     Host sync: none.
     """
     holder, attribute = target
-    return getattr(holder, attribute)  # type: ignore[no-any-return]
+    return getattr(holder, attribute)
 
 
 def set_recompute_function(target: CheckpointTarget, fn: Callable[..., Any]) -> None:
