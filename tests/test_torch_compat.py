@@ -8,6 +8,8 @@ declared torch, the pinned one and the newest installable (``make test-torch TOR
 
 from __future__ import annotations
 
+import ast
+import doctest
 import math
 import re
 import subprocess
@@ -196,16 +198,47 @@ def test_native_policies_follow_the_release() -> None:
     assert "aten::_cudnn_rnn" not in pinned["cuda"]
 
 
-def test_every_entry_of_the_section_is_checked_here() -> None:
-    """Each name the "kernels, scaling, fp8, devices" section defines is used by a test above."""
+def _entries() -> dict[str, tuple[str, str]]:
+    """Each public name torch_compat defines -> (the comment heading its section, its own
+    docstring and the comment above it)."""
     source = Path(tc.__file__).read_text()
-    section = source.split("# ---------------------------------------------------------------- ")
-    (ours,) = [s for s in section if s.startswith("kernels, scaling, fp8, devices")]
-    names = set(re.findall(r"^(?:def )?([A-Za-z]\w*)\b(?:: [^=]+)? ?[=(]", ours, re.M))
-    assert {"amp_update_scale_", "running_backward", "TORCH_RELEASE"} <= names
-    this = Path(__file__).read_text()
-    unchecked = [n for n in names if f"tc.{n}" not in this and f"import {n}" not in this]
-    assert sorted(unchecked) == []
+    lines, found, head = source.splitlines(), {}, ""
+    starts = {k for k, line in enumerate(lines) if line.startswith("# " + "-" * 64)}
+    for node in ast.parse(source).body:
+        section = max((k for k in starts if k < node.lineno), default=None)
+        if section is not None:
+            k, head = section, ""
+            while k < len(lines) and lines[k].startswith("#"):
+                head, k = head + lines[k], k + 1
+        k, own = node.lineno - 2, ast.get_docstring(node) if hasattr(node, "body") else ""
+        while k >= 0 and lines[k].startswith("#"):
+            own, k = f"{own} {lines[k]}", k - 1
+        names = [getattr(node, "name", None), getattr(getattr(node, "target", None), "id", None)]
+        names += [getattr(t, "id", None) for t in getattr(node, "targets", [])]
+        found.update({n: (head, own or "") for n in names if n and not n.startswith("_")})
+    return found
+
+
+def test_every_entry_is_tested_and_says_which_torch_it_was_checked_on() -> None:
+    """Each public name of torch_compat is used by a test here or in
+    tests/autocast/test_autocast_torch_compat.py, and says (or its section says) the torch
+    versions it was checked on."""
+    entries = _entries()
+    assert {"amp_update_scale_", "running_checkpoints", "public_attr", "COMPILED_INNER"} <= set(
+        entries
+    )
+    root = Path(__file__).resolve().parent
+    tests = (root / "test_torch_compat.py").read_text()
+    tests += (root / "autocast" / "test_autocast_torch_compat.py").read_text()
+    untested = [n for n in entries if not re.search(rf"\btc\.{n}\b|import [^\n]*\b{n}\b", tests)]
+    assert untested == []
+    unchecked = [n for n, texts in entries.items() if "hecked on" not in " ".join(texts)]
+    assert unchecked == []
+
+
+def test_the_examples_in_torch_compat_run() -> None:
+    failures, tried = doctest.testmod(tc, optionflags=doctest.ELLIPSIS)
+    assert tried > 0 and failures == 0
 
 
 def test_tensor_base_is_the_tensor_viewed() -> None:

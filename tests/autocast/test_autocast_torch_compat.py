@@ -67,7 +67,7 @@ def test_a_running_checkpoints_recompute_function_is_read_and_replaced() -> None
     found: list[list[str]] = []
 
     def body(x: torch.Tensor) -> torch.Tensor:
-        targets = tc.running_checkpoints()
+        targets: list[tc.CheckpointTarget] = tc.running_checkpoints()
         found.append([attribute for _, attribute in targets])
         if targets and not ran:
             fn = tc.recompute_function(targets[0])

@@ -1,9 +1,12 @@
 """Every private torch API and every piece of global torch state mixprec touches, in one place.
 
 The rest of the package reaches torch's private names (``torch._C``, ``torch._foreach_*``,
-``torch._dynamo``, ``torch._scaled_mm``, module hook dicts, ...) only through this module. Each
-entry says what it is for, the torch versions it was checked on, and what mixprec does where the
-name is missing; ``tests/test_torch_compat.py`` checks every entry on the torch it runs under.
+``torch._dynamo``, ``torch._scaled_mm``, module hook dicts, ...), the layout of its private
+classes (FSDP2's parameters, the checkpoint's frames) and torch's attributes by computed names
+only through this module (``tests/test_torch_door.py`` finds any other use, by rule). Each entry
+says what it is for, the torch versions it was checked on, and what mixprec does where the name
+is missing; ``tests/test_torch_compat.py`` and ``tests/autocast/test_autocast_torch_compat.py``
+check every entry on the torch they run under.
 """
 
 from __future__ import annotations
@@ -228,8 +231,7 @@ def dynamo_disable(fn: Any) -> Any:
 # ---------------------------------------------------------------- autocast and the fp8 hook
 # Each entry: what it is for; the torch versions it was checked on (2.13.0, 2.14.1); what mixprec
 # does where the name is missing. tests/autocast/test_autocast_torch_compat.py checks each on the
-# torch it
-# runs under.
+# torch it runs under.
 _Fn = TypeVar("_Fn", bound=Callable[..., Any])
 
 #: ``torch.compiler.disable`` without importing ``torch._dynamo`` (and sympy) at ``import mixprec``:
@@ -352,8 +354,7 @@ CheckpointTarget = tuple[Any, str]
 
 
 def _reentrant_checkpoint(frame: FrameType | None) -> CheckpointTarget | None:
-    """The innermost reentrant checkpoint among ``frame`` and its callers: the ``ctx`` local of
-    ``CheckpointFunction.forward``'s frame (found by its code). Checked on 2.13.0."""
+    """The ``ctx`` of ``CheckpointFunction.forward`` among ``frame`` and its callers."""
     while frame is not None:
         if frame.f_code is REENTRANT_CHECKPOINT_CODE:
             ctx = frame.f_locals.get("ctx")
@@ -363,8 +364,7 @@ def _reentrant_checkpoint(frame: FrameType | None) -> CheckpointTarget | None:
 
 
 def _non_reentrant_checkpoint() -> CheckpointTarget | None:
-    """The non-reentrant checkpoint whose saved-tensor hooks are the innermost: the
-    ``_CheckpointFrame`` its pack hook closes over. Checked on 2.13.0."""
+    """The ``_CheckpointFrame`` the innermost saved-tensor pack hook closes over."""
     hooks = top_saved_tensors_hooks()
     if hooks is None or CHECKPOINT_FRAME_TYPE is None:
         return None
@@ -396,20 +396,14 @@ def running_checkpoints() -> list[CheckpointTarget]:
 
 
 def recompute_function(target: CheckpointTarget) -> Callable[..., Any]:
-    """The function ``target``'s checkpoint will run to recompute its forward.
-
-    Host sync: none.
-    """
+    """The function ``target``'s checkpoint will run to recompute its forward. Host sync: none."""
     holder, attribute = target
     return getattr(holder, attribute)
 
 
 def set_recompute_function(target: CheckpointTarget, fn: Callable[..., Any]) -> None:
     """Make ``target``'s checkpoint recompute its forward with ``fn`` (a wrapper of
-    :func:`recompute_function`). Checked on 2.13.0.
-
-    Host sync: none.
-    """
+    :func:`recompute_function`). Checked on 2.13.0. Host sync: none."""
     holder, attribute = target
     setattr(holder, attribute, fn)
 
@@ -473,6 +467,9 @@ def torch_custom_fwd_state(ctx: Any) -> tuple[bool, torch.dtype] | None:
 
 
 # ---------------------------------------------------------------- names computed at run time
+# A name computed at run time (a dtype's, a device type's, a user's) reaches torch only through
+# these, which refuse private names. They use Python's getattr and no torch API of their own:
+# checked on 2.13.0, tested on every torch CI runs (tests/test_torch_compat.py).
 
 
 def _refuse_private(name: str) -> None:
@@ -499,19 +496,13 @@ def public_attr(obj: Any, name: str, *default: Any) -> Any:
 
 
 def has_public_attr(obj: Any, name: str) -> bool:
-    """``hasattr(obj, name)`` for a computed public ``name`` (False for a private one).
-
-    Host sync: none.
-    """
+    """``hasattr(obj, name)`` for a computed ``name``: False for a private one. Host sync: none."""
     return not name.startswith("_") and hasattr(obj, name)
 
 
 def set_public_attr(obj: Any, name: str, value: Any) -> None:
     """``setattr(obj, name, value)`` for a computed public ``name`` (a module's buffer by the name
-    ``named_buffers`` gave it); a private one raises AttributeError.
-
-    Host sync: none.
-    """
+    ``named_buffers`` gave it); a private one raises AttributeError. Host sync: none."""
     _refuse_private(name)
     setattr(obj, name, value)
 
@@ -530,6 +521,7 @@ def aten_op(name: str) -> Any:
 
 
 # ---------------------------------------------------------------- the advisor
+# Checked on 2.13.0 (pinned), and on the other torches CI runs where an entry says so.
 
 
 #: The attribute of torch.compile's ``OptimizedModule`` that holds the eager module: its modules
