@@ -55,6 +55,14 @@ FORMS = {
         "msg = f'{what} is named under ._orig_mod'",
         "private-str _orig_mod",
     ),
+    "private attribute of a field": (
+        "class A:\n    def f(self):\n        return self.model._forward_hooks",
+        "private-attr _forward_hooks",
+    ),
+    "computed name set on a field": (
+        "class A:\n    def f(self, n):\n        setattr(self.model, n, None)",
+        "computed-attr setattr(self.model, ...)",
+    ),
     "private torch chain": ("import torch\nx = torch._C._get_tracing_state()", "torch-private"),
     "private torch import": ("from torch.utils._pytree import tree_map", "torch-private"),
     "private torch module": ("import torch._dynamo", "torch-private torch._dynamo"),

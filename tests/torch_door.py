@@ -219,13 +219,19 @@ class _Scan(ast.NodeVisitor):
         if root in self.torch:
             if outer and any(private(p) for p in parts):
                 self.add(node, "torch-private", ".".join([root, *parts]))
-        elif root not in ("self", "cls", *self.mixprec, *self.other) and self._foreign(node.attr):
+        elif not self._owned(node.value) and self._foreign(node.attr):
             self.add(node, "private-attr", node.attr)
         if node.attr in INTROSPECTION:
             self.add(node, "introspection", node.attr)
         if node.attr in LAYOUT:
             self.add(node, "layout", node.attr)
         self.generic_visit(node)
+
+    def _owned(self, receiver: ast.expr) -> bool:
+        """Whether ``receiver`` is the object's own (``self``, ``cls``: not ``self.model``) or an
+        imported module or object that is not torch's."""
+        root, parts = self._root(receiver)
+        return (root in ("self", "cls") and not parts) or root in (*self.mixprec, *self.other)
 
     def _foreign(self, name: str) -> bool:
         """Whether ``name`` is private and not mixprec's own (nor another library's)."""
@@ -256,7 +262,7 @@ class _Scan(ast.NodeVisitor):
             )
             root, _ = self._root(target)
             reads = func.id in ("getattr", "hasattr")
-            if not constant and (root in self.torch if reads else root not in ("self", "cls")):
+            if not constant and (root in self.torch if reads else not self._owned(target)):
                 self.add(node, "computed-attr", f"{func.id}({ast.unparse(target)}, ...)")
         self.generic_visit(node)
 
