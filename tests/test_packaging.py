@@ -94,7 +94,7 @@ def test_every_mentioned_extra_exists_and_is_pinned() -> None:
 
 def test_the_pinned_torch_is_inside_the_declared_range_and_documented() -> None:
     (torch_requirement,) = [r for r in _requirements()[None] if _name(r) == "torch"]
-    floor = torch_requirement.split(">=")[1]
+    floor = re.findall(r">=\s*([\d.]+)", torch_requirement)[0]
     pinned = _pins()["torch"]
     as_tuple = [tuple(int(x) for x in v.split(".")[:2]) for v in (floor, pinned)]
     assert as_tuple[0] <= as_tuple[1]
