@@ -59,12 +59,28 @@ def private(name: str) -> bool:
 
 def _private_of_torch_types() -> set[str]:
     """The private names torch's everyday objects carry (never mixprec's own, even where a
-    mixprec class uses the same name on ``self``)."""
+    mixprec class uses the same name on ``self``). torch's GradScaler is not among them: mixprec's
+    is its drop-in and defines its private API (``_get_scale_async``, ...) itself."""
     module, tensor = torch.nn.Linear(1, 1), torch.zeros(1)
     optimizer = torch.optim.SGD(module.parameters(), lr=0.1)
     objects: list[object] = [module, tensor, tensor.to_sparse(), optimizer, torch.ops.aten.mm]
-    objects += [torch.ops.aten.mm.default, torch.autograd.function.FunctionCtx]
+    objects += [torch.ops.aten.mm.default, _custom_fwd_ctx()]
     return {n for o in objects for n in {*dir(o), *getattr(o, "__dict__", {})} if private(n)}
+
+
+def _custom_fwd_ctx() -> object:
+    """The ``ctx`` of a Function whose forward ``torch.amp.custom_fwd`` wraps."""
+    seen = []
+
+    class Probe(torch.autograd.Function):
+        @staticmethod
+        @torch.amp.custom_fwd(device_type="cpu")
+        def forward(ctx: object, x: torch.Tensor) -> torch.Tensor:
+            seen.append(ctx)
+            return x.clone()
+
+    Probe.apply(torch.zeros(1, requires_grad=True))
+    return seen[0]
 
 
 def _class_names(cls: type) -> set[str]:
