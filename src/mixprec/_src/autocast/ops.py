@@ -47,10 +47,8 @@ from mixprec._src.torch_compat import (
 # ---------------------------------------------------------------- checkpoint replay
 _REPLAYS = "_mixprec_replays"  # attribute of a wrapper: the tables it replays
 
-Target = CheckpointTarget  # (the checkpoint's holder, the attribute of its recompute function)
 
-
-def current_checkpoint() -> Target | None:
+def current_checkpoint() -> CheckpointTarget | None:
     """The innermost checkpoint whose forward is running now, or None.
 
     Example:
@@ -63,7 +61,7 @@ def current_checkpoint() -> Target | None:
     return found[0] if found else None
 
 
-def replay_in(target: Target, table: Mapping[str, Rule], device_type: str) -> None:
+def replay_in(target: CheckpointTarget, table: Mapping[str, Rule], device_type: str) -> None:
     """Make the checkpoint ``target`` recompute under the op rules ``table`` (once per table).
 
     Example:
@@ -111,7 +109,7 @@ def capture_for_recompute(snapshot: Callable[[], Any]) -> None:
             _wrap_recompute(target, snap)
 
 
-def _wrap_recompute(target: Target, snap: Any) -> None:
+def _wrap_recompute(target: CheckpointTarget, snap: Any) -> None:
     fn = recompute_function(target)
 
     def recompute(*args: Any, **kwargs: Any) -> Any:
