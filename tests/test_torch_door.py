@@ -63,6 +63,10 @@ FORMS = {
         "class A:\n    def f(self, n):\n        setattr(self.model, n, None)",
         "computed-attr setattr(self.model, ...)",
     ),
+    "private name through a constant": (
+        "from mixprec._src.torch_compat import COMPILED_INNER\nm = getattr(model, COMPILED_INNER)",
+        "private-str _orig_mod",
+    ),
     "private torch chain": ("import torch\nx = torch._C._get_tracing_state()", "torch-private"),
     "private torch import": ("from torch.utils._pytree import tree_map", "torch-private"),
     "private torch module": ("import torch._dynamo", "torch-private torch._dynamo"),

@@ -104,6 +104,7 @@ def _sources() -> Iterator[tuple[str, ast.Module]]:
     yield from SOURCES
 
 
+DOOR_NAME = str(DOOR.relative_to(SRC))
 SOURCES = [(str(p.relative_to(SRC)), ast.parse(p.read_text())) for p in sorted(SRC.rglob("*.py"))]
 
 
@@ -128,10 +129,10 @@ def _defined(tree: ast.AST) -> set[str]:
     return {n for n in found if isinstance(n, str)}
 
 
-def _string_constants(tree: ast.Module) -> set[str]:
+def _string_constants(tree: ast.Module) -> dict[str, str]:
     """The module-level names ``tree`` binds to a string (``MASTERS = "_mixprec_..."``)."""
     return {
-        t.id
+        t.id: node.value.value
         for node in tree.body
         if isinstance(node, ast.Assign) and isinstance(node.value, ast.Constant)
         if isinstance(node.value.value, str)
@@ -141,7 +142,8 @@ def _string_constants(tree: ast.Module) -> set[str]:
 
 
 def _own_names() -> set[str]:
-    defined = set().union(*(_defined(t) for _, t in _sources()))
+    """The private names mixprec defines, outside the door (whose names wrap torch's)."""
+    defined = set().union(*(_defined(t) for f, t in _sources() if f != DOOR_NAME))
     return {n for n in defined if private(n)} - TORCH_PRIVATE
 
 
@@ -158,7 +160,7 @@ def _layout_names(own: Iterable[str]) -> set[str]:
 TORCH_PRIVATE = _private_of_torch_types()
 OWN = _own_names()
 LAYOUT = _layout_names(OWN)
-CONSTANTS = set().union(*(_string_constants(t) for _, t in _sources()))
+CONSTANTS = {k: v for _, t in _sources() for k, v in _string_constants(t).items()}
 
 
 def _is_own(name: str, local: set[str]) -> bool:
@@ -171,7 +173,7 @@ class _Scan(ast.NodeVisitor):
         self.torch: set[str] = set()  # names bound to torch modules and objects by import
         self.mixprec: set[str] = set()  # names bound to mixprec modules and objects by import
         self.other: set[str] = set()  # names bound to other modules (sys, warnings) by import
-        self.constants = CONSTANTS | _string_constants(tree)  # names bound to a string
+        self.constants = {**CONSTANTS, **_string_constants(tree)}  # names bound to a string
         self.own = {n for n in _defined(tree) if private(n)} - TORCH_PRIVATE
         self.docstrings: set[int] = set()
         for node in ast.walk(tree):
@@ -217,7 +219,7 @@ class _Scan(ast.NodeVisitor):
         items = getattr(node.iter, "elts", None)
         constant = items and all(isinstance(i, ast.Constant) for i in items)
         if constant and isinstance(node.target, ast.Name):  # for name in ("a", "b"): a constant
-            self.constants = self.constants | {node.target.id}
+            self.constants = {**self.constants, node.target.id: ""}
         self.generic_visit(node)
 
     @staticmethod
@@ -276,6 +278,9 @@ class _Scan(ast.NodeVisitor):
             constant = isinstance(name, ast.Constant) or (
                 isinstance(name, ast.Name) and name.id in self.constants
             )
+            value = self.constants.get(getattr(name, "id", None) or "", "")
+            if value and self._foreign(value):  # a constant naming a private attribute
+                self.add(node, "private-str", value)
             root, _ = self._root(target)
             reads = func.id in ("getattr", "hasattr")
             if not constant and (root in self.torch if reads else not self._owned(target)):
