@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import fnmatch
 import functools
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from types import MappingProxyType
 from typing import Any, NamedTuple
@@ -225,16 +225,42 @@ class Policy:
 
         Host sync: none.
         """
-        if name is not None:
+        return self.rule_for(module, () if name is None else (name,))
+
+    def rule_for(self, module: nn.Module, names: Sequence[str]) -> tuple[object, Rule] | None:
+        """The key and the rule of a module known under several ``names`` (one module object
+        reached by several paths: ``nn.ModuleList([block] * 3)``, a module assigned to two
+        parents): a name glob matching ANY of its names applies (for each name its first
+        matching glob), else the nearest class rule.
+
+        Example:
+            >>> from torch import nn
+            >>> from mixprec import Policy
+            >>> Policy("h.1=fp32").rule_for(nn.Linear(2, 2), ["h.0", "h.1"])
+            ('h.1', Rule('fp32'))
+
+        Raises:
+            ConfigError: two of its names take different rules (one module object has one
+                rule); the message names them, the rules and the fix.
+
+        Host sync: none.
+        """
+        found: list[tuple[str, str, Rule]] = []
+        for name in names:
             for glob, rule in self._name_rules:
                 if fnmatch.fnmatchcase(name, glob):
-                    return glob, rule
+                    found.append((name, glob, rule))
+                    break
+        if found:
+            if any(rule != found[0][2] for _, _, rule in found):
+                raise _disagreeing(names, found)
+            return found[0][1], found[0][2]
         classes: dict[type, Rule] = self._class_rules
         if classes:
             for cls in type(module).__mro__:
-                found = classes.get(cls)
-                if found is not None:
-                    return cls, found
+                by_class = classes.get(cls)
+                if by_class is not None:
+                    return cls, by_class
         return None
 
     def with_matmuls(
@@ -270,7 +296,9 @@ class Policy:
         return Policy(modules=modules, ops=ops, strict=self.strict)
 
     def resolve(self, model: nn.Module) -> dict[str, Rule]:
-        """Resolve the module rules over ``model.named_modules()`` (the static view).
+        """Resolve the module rules over ``model.named_modules()`` (the static view): each
+        module by its first name in torch's order, with the rule its names take
+        (:meth:`rule_for`; a module reachable under several names answers to each of them).
 
         Example:
             >>> from torch import nn
@@ -281,18 +309,18 @@ class Policy:
 
         Raises:
             ConfigError: with ``strict``, a name glob matches no module of ``model``; the message
-                lists the module names.
+                lists the module names. Two names of one module take different rules.
 
         Host sync: none.
         """
-        named = list(model.named_modules())
+        places = module_places(model)
         if self.strict:
-            error = self._unmatched_error([n for n, _ in named], "of the model")
+            names = [n for _, every in places.values() for n in every]
+            error = self._unmatched_error(names, "of the model")
             if error is not None:
                 raise error
-        return {
-            name: rule for name, mod in named if (rule := self.module_rule(mod, name)) is not None
-        }
+        found = {every[0]: self.rule_for(mod, every) for mod, every in places.values()}
+        return {name: rule_source[1] for name, rule_source in found.items() if rule_source}
 
     def _unmatched_error(self, names: list[str], where: str) -> ConfigError | None:
         """The error for name globs that match none of ``names`` (None when all match).
@@ -343,6 +371,35 @@ class Policy:
 
     def __reduce__(self) -> tuple[Any, ...]:
         return (_rebuild, (dict(self.modules), dict(self.ops), self.strict))
+
+
+def module_places(root: nn.Module) -> dict[int, tuple[nn.Module, list[str]]]:
+    """Each module of ``root`` (by id, in torch's ``named_modules`` order) with every name it is
+    reachable under, torch's own (first) name first.
+
+    Example:
+        >>> from torch import nn
+        >>> block = nn.Linear(2, 2)
+        >>> [names for _, names in module_places(nn.Sequential(block, block)).values()]
+        [[''], ['0', '1']]
+
+    Host sync: none.
+    """
+    places: dict[int, tuple[nn.Module, list[str]]] = {}
+    for name, mod in root.named_modules(remove_duplicate=False):
+        places.setdefault(id(mod), (mod, []))[1].append(name)
+    return places
+
+
+def _disagreeing(names: Sequence[str], found: list[tuple[str, str, Rule]]) -> ConfigError:
+    taken = ", ".join(f"{name!r} takes {glob}={rule}" for name, glob, rule in found)
+    return ConfigError(
+        f"one module is reachable under the names {', '.join(map(repr, names))} and its "
+        f"names take different rules: {taken}. One module object runs at each of its names "
+        "(nn.ModuleList([block] * 3), a module assigned to two parents), so it has one rule: "
+        "give its names one rule, or build separate modules (copy.deepcopy) to rule each "
+        "place on its own"
+    )
 
 
 def _rebuild(modules: dict[object, Rule], ops: dict[object, Rule], strict: bool) -> Policy:
