@@ -3,6 +3,7 @@
 
 from __future__ import annotations
 
+import difflib
 import fnmatch
 import functools
 from collections.abc import Mapping, Sequence
@@ -19,6 +20,7 @@ from mixprec._src.autocast.targets import (
     OpRule,
     class_label,
     glob_tokens,
+    outside_hint,
     parse_spec,
     python_op_names,
     resolve_module,
@@ -334,18 +336,15 @@ class Policy:
         missing = [g for g in globs if not any(fnmatch.fnmatchcase(n, g) for n in names)]
         if not missing:
             return None
-        shown = ", ".join(repr(n) for n in names[:40] if n) or "(none)"
-        more = f" and {len(names) - 40} more" if len(names) > 40 else ""
-        ops = [g for g in missing if g in python_op_names()]
-        hint = (
-            f" {ops[0]!r} is read as a module name; for the op write {spelled_op(ops[0])!r}."
-            if ops
-            else ""
-        )
+        hints = "".join(_unmatched_hint(g, names) for g in missing)
+        if not hints:
+            shown = ", ".join(repr(n) for n in names[:12] if n) or "(none)"
+            more = f" and {len(names) - 12} more" if len(names) > 12 else ""
+            hints = f" Module names: {shown}{more}."
         return ConfigError(
-            f"module rule(s) {', '.join(map(repr, missing))} matched no module {where}. "
-            f"Module names: {shown}{more}. Names are relative to the outermost module called;"
-            f"{hint} Pass Policy(..., strict=False) to allow unmatched rules."
+            f"module rule(s) {', '.join(map(repr, missing))} matched no module {where}.{hints} "
+            "Names are relative to the outermost module called; pass Policy(..., strict=False) "
+            "to allow unmatched rules."
         )
 
     # ------------------------------------------------------------------ value protocol
@@ -371,6 +370,20 @@ class Policy:
 
     def __reduce__(self) -> tuple[Any, ...]:
         return (_rebuild, (dict(self.modules), dict(self.ops), self.strict))
+
+
+def _unmatched_hint(glob: str, names: list[str]) -> str:
+    """What a glob that matched nothing may have meant: close module names, a class outside
+    torch.nn of that name, an op of that name; "" when nothing is close."""
+    hint = ""
+    close = difflib.get_close_matches(glob, [n for n in names if n], 3, 0.75)
+    if close:
+        hint += f" For {glob!r}, did you mean {', '.join(map(repr, close))}?"
+    if glob.isidentifier():
+        hint += outside_hint(glob)
+        if glob in python_op_names():
+            hint += f" {glob!r} is read as a module name; for the op write {spelled_op(glob)!r}."
+    return hint
 
 
 def module_places(root: nn.Module) -> dict[int, tuple[nn.Module, list[str]]]:

@@ -10,6 +10,8 @@ from __future__ import annotations
 
 import difflib
 import functools
+import importlib
+import re
 from collections.abc import Callable
 from typing import Any, NamedTuple
 
@@ -39,9 +41,12 @@ _OP_FORMS = (
     "or a string 'aten::gelu', 'F.softmax', 'torch.nn.functional.softmax', 'Tensor.softmax'"
 )
 _MODULE_FORMS = (
-    "an nn.Module subclass (nn.LayerNorm, or the string 'nn.LayerNorm'), or a qualified-name "
-    "glob string ('encoder.*.attn')"
+    "an nn.Module subclass (nn.LayerNorm, or the string 'nn.LayerNorm'; a class outside torch.nn "
+    "as 'package.module:ClassName', e.g. 'transformers.pytorch_utils:Conv1D'), or a "
+    "qualified-name glob string ('encoder.*.attn')"
 )
+# A class outside torch.nn, written as its module and qualified name ("pkg.mod:Outer.Inner").
+_IMPORTED = re.compile(r"[A-Za-z_]\w*(\.[A-Za-z_]\w*)*:[A-Za-z_][\w.<>]*")
 
 
 @functools.cache
@@ -82,6 +87,7 @@ def _unknown_class(text: str) -> ConfigError:
     classes = [n for n in dir(nn) if _is_module_class(getattr(nn, n))]
     close = difflib.get_close_matches(text.rpartition(".")[2], classes, 3)
     hint = f"; did you mean {', '.join('nn.' + c for c in close)}?" if close else ""
+    hint += outside_hint(text.rpartition(".")[2])
     return ConfigError(
         f"module rule names {text!r}, which is not an nn.Module class in torch.nn{hint} "
         f"Accepted: {_MODULE_FORMS}. For a submodule named like that, write the name as a glob "
@@ -135,6 +141,61 @@ def _is_module_class(obj: object) -> bool:
     return isinstance(obj, type) and issubclass(obj, nn.Module)
 
 
+def outside_hint(word: str) -> str:
+    """How to write the loaded ``nn.Module`` classes outside torch.nn whose name is ``word``
+    (``"Conv1D"`` -> ``" For the class write 'transformers.pytorch_utils:Conv1D'."``), or "".
+
+    Example:
+        >>> outside_hint("NoSuchClassAnywhere")
+        ''
+
+    Host sync: none.
+    """
+    found, todo, seen = [], list(nn.Module.__subclasses__()), set()
+    while todo:
+        cls = todo.pop()
+        if cls in seen:
+            continue
+        seen.add(cls)
+        todo.extend(cls.__subclasses__())
+        label = class_label(cls)
+        if cls.__name__ == word and label.startswith("nn.") is False and "<" not in label:
+            found.append(label)
+    if not found:
+        return ""
+    return f" For the class write {' or '.join(map(repr, sorted(found)))} (module:ClassName)."
+
+
+def _import_class(text: str) -> type[nn.Module]:
+    """The class ``"pkg.mod:Outer.Inner"`` names, imported; a ConfigError with the fix."""
+    module_name, _, qualname = text.partition(":")
+    fix = (
+        "Name a class outside torch.nn as 'package.module:ClassName' (its __module__ and "
+        "__qualname__) from an importable module, or pass the class itself in modules={cls: "
+        f"...}}; for a submodule whose name holds ':', write it as a glob "
+        f"({text.replace(':', '[:]')!r})"
+    )
+    if "<locals>" in qualname:
+        raise ConfigError(
+            f"module rule {text!r} names a class defined inside a function, which cannot be "
+            f"imported back. Define it at module level. {fix}"
+        )
+    try:
+        obj: object = importlib.import_module(module_name)
+    except Exception as err:
+        raise ConfigError(
+            f"module rule {text!r}: cannot import {module_name!r} ({err}). {fix}"
+        ) from err
+    for part in qualname.split("."):
+        obj = getattr(obj, part, None)
+    if not _is_module_class(obj):
+        raise ConfigError(
+            f"module rule {text!r}: {module_name!r} has no nn.Module class {qualname!r}."
+            f"{outside_hint(qualname.rpartition('.')[2])} {fix}"
+        )
+    return obj  # type: ignore[return-value]
+
+
 @functools.lru_cache(maxsize=512)
 def _resolve_string(text: str) -> tuple[str, object]:
     """Classify one target string: ``("op", (name, label))``, ``("class", cls)`` or
@@ -149,6 +210,8 @@ def _resolve_string(text: str) -> tuple[str, object]:
                 f"mixprec can intercept; name the public function instead. Accepted: {_OP_FORMS}"
             )
         return "op", (base, f"aten::{base}")
+    if _IMPORTED.fullmatch(text):
+        return "class", _import_class(text)
     root, _, rest = text.partition(".")
     if root not in _ROOTS or not rest or any(c in text for c in "*?["):
         return "glob", text  # no torch name has glob characters
@@ -288,6 +351,16 @@ def glob_tokens(text: str) -> list[tuple[int, str]]:
 
 
 def class_label(cls: type) -> str:
+    """How a policy string names a class: ``nn.X`` for torch.nn's, else ``module:Qualname``,
+    which the policy string imports back.
+
+    Example:
+        >>> from torch.nn.modules.linear import NonDynamicallyQuantizableLinear as Packed
+        >>> class_label(nn.Linear), class_label(Packed)
+        ('nn.Linear', 'torch.nn.modules.linear:NonDynamicallyQuantizableLinear')
+
+    Host sync: none.
+    """
     if getattr(nn, cls.__name__, None) is cls:
         return f"nn.{cls.__name__}"
-    return f"{cls.__module__}.{cls.__qualname__}"
+    return f"{cls.__module__}:{cls.__qualname__}"
