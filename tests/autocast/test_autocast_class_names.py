@@ -152,3 +152,26 @@ def test_a_glob_that_matches_nothing_names_the_close_module_names(
     if meant is not None:
         assert f"did you mean {meant!r}" in message and listed == [meant]
     assert len(listed) <= 12  # a few names, never the whole model
+
+
+def test_a_misspelt_rule_word_names_the_word_meant() -> None:
+    """Every word a rule accepts (kinds, recipes, dtypes), with two neighbouring letters swapped,
+    is refused with that word among the close ones; recipes and output casts alike."""
+    from mixprec._src.autocast.rules import _compute_words
+
+    tried = 0
+    for word in _compute_words():
+        for i in range(len(word) - 1):
+            typo = word[:i] + word[i + 1] + word[i] + word[i + 2 :]
+            try:
+                mixprec.Rule(typo)
+            except ConfigError as err:
+                tried += 1
+                assert f"did you mean {word!r}" in str(err) or f"or {word!r}" in str(err), typo
+    assert tried > 50
+    with pytest.raises(ConfigError, match="did you mean 'input'"):
+        mixprec.Rule("fp32@inptu")
+    with pytest.raises(ConfigError, match="did you mean 'mxfp8'"):
+        mixprec.advise(
+            nn.Linear(4, 4), torch.randn(2, 4), lambda m, b: m(b).sum(), candidates=["mxfp9"]
+        )
