@@ -3,7 +3,6 @@
 
 from __future__ import annotations
 
-import difflib
 import fnmatch
 import functools
 from collections.abc import Mapping, Sequence
@@ -19,13 +18,13 @@ from mixprec._src.autocast.rules import Rule, RuleLike, accepted_compute
 from mixprec._src.autocast.targets import (
     OpRule,
     class_label,
+    disagreeing,
     glob_tokens,
-    outside_hint,
+    module_places,
     parse_spec,
-    python_op_names,
     resolve_module,
     resolve_op,
-    spelled_op,
+    unmatched_hint,
 )
 from mixprec.errors import ConfigError
 
@@ -255,7 +254,7 @@ class Policy:
                     break
         if found:
             if any(rule != found[0][2] for _, _, rule in found):
-                raise _disagreeing(names, found)
+                raise disagreeing(names, found)
             return found[0][1], found[0][2]
         classes: dict[type, Rule] = self._class_rules
         if classes:
@@ -336,7 +335,7 @@ class Policy:
         missing = [g for g in globs if not any(fnmatch.fnmatchcase(n, g) for n in names)]
         if not missing:
             return None
-        hints = "".join(_unmatched_hint(g, names) for g in missing)
+        hints = "".join(unmatched_hint(g, names) for g in missing)
         if not hints:
             shown = ", ".join(repr(n) for n in names[:12] if n) or "(none)"
             more = f" and {len(names) - 12} more" if len(names) > 12 else ""
@@ -370,49 +369,6 @@ class Policy:
 
     def __reduce__(self) -> tuple[Any, ...]:
         return (_rebuild, (dict(self.modules), dict(self.ops), self.strict))
-
-
-def _unmatched_hint(glob: str, names: list[str]) -> str:
-    """What a glob that matched nothing may have meant: close module names, a class outside
-    torch.nn of that name, an op of that name; "" when nothing is close."""
-    hint = ""
-    close = difflib.get_close_matches(glob, [n for n in names if n], 3, 0.75)
-    if close:
-        hint += f" For {glob!r}, did you mean {', '.join(map(repr, close))}?"
-    if glob.isidentifier():
-        hint += outside_hint(glob)
-        if glob in python_op_names():
-            hint += f" {glob!r} is read as a module name; for the op write {spelled_op(glob)!r}."
-    return hint
-
-
-def module_places(root: nn.Module) -> dict[int, tuple[nn.Module, list[str]]]:
-    """Each module of ``root`` (by id, in torch's ``named_modules`` order) with every name it is
-    reachable under, torch's own (first) name first.
-
-    Example:
-        >>> from torch import nn
-        >>> block = nn.Linear(2, 2)
-        >>> [names for _, names in module_places(nn.Sequential(block, block)).values()]
-        [[''], ['0', '1']]
-
-    Host sync: none.
-    """
-    places: dict[int, tuple[nn.Module, list[str]]] = {}
-    for name, mod in root.named_modules(remove_duplicate=False):
-        places.setdefault(id(mod), (mod, []))[1].append(name)
-    return places
-
-
-def _disagreeing(names: Sequence[str], found: list[tuple[str, str, Rule]]) -> ConfigError:
-    taken = ", ".join(f"{name!r} takes {glob}={rule}" for name, glob, rule in found)
-    return ConfigError(
-        f"one module is reachable under the names {', '.join(map(repr, names))} and its "
-        f"names take different rules: {taken}. One module object runs at each of its names "
-        "(nn.ModuleList([block] * 3), a module assigned to two parents), so it has one rule: "
-        "give its names one rule, or build separate modules (copy.deepcopy) to rule each "
-        "place on its own"
-    )
 
 
 def _rebuild(modules: dict[object, Rule], ops: dict[object, Rule], strict: bool) -> Policy:

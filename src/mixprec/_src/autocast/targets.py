@@ -12,7 +12,7 @@ import difflib
 import functools
 import importlib
 import re
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from typing import Any, NamedTuple
 
 import torch
@@ -364,3 +364,46 @@ def class_label(cls: type) -> str:
     if getattr(nn, cls.__name__, None) is cls:
         return f"nn.{cls.__name__}"
     return f"{cls.__module__}:{cls.__qualname__}"
+
+
+def unmatched_hint(glob: str, names: list[str]) -> str:
+    """What a glob that matched nothing may have meant: close module names, a class outside
+    torch.nn of that name, an op of that name; "" when nothing is close."""
+    hint = ""
+    close = difflib.get_close_matches(glob, [n for n in names if n], 3, 0.75)
+    if close:
+        hint += f" For {glob!r}, did you mean {', '.join(map(repr, close))}?"
+    if glob.isidentifier():
+        hint += outside_hint(glob)
+        if glob in python_op_names():
+            hint += f" {glob!r} is read as a module name; for the op write {spelled_op(glob)!r}."
+    return hint
+
+
+def module_places(root: nn.Module) -> dict[int, tuple[nn.Module, list[str]]]:
+    """Each module of ``root`` (by id, in torch's ``named_modules`` order) with every name it is
+    reachable under, torch's own (first) name first.
+
+    Example:
+        >>> from torch import nn
+        >>> block = nn.Linear(2, 2)
+        >>> [names for _, names in module_places(nn.Sequential(block, block)).values()]
+        [[''], ['0', '1']]
+
+    Host sync: none.
+    """
+    places: dict[int, tuple[nn.Module, list[str]]] = {}
+    for name, mod in root.named_modules(remove_duplicate=False):
+        places.setdefault(id(mod), (mod, []))[1].append(name)
+    return places
+
+
+def disagreeing(names: Sequence[str], found: list[tuple[str, str, Rule]]) -> ConfigError:
+    taken = ", ".join(f"{name!r} takes {glob}={rule}" for name, glob, rule in found)
+    return ConfigError(
+        f"one module is reachable under the names {', '.join(map(repr, names))} and its "
+        f"names take different rules: {taken}. One module object runs at each of its names "
+        "(nn.ModuleList([block] * 3), a module assigned to two parents), so it has one rule: "
+        "give its names one rule, or build separate modules (copy.deepcopy) to rule each "
+        "place on its own"
+    )

@@ -21,8 +21,9 @@ from torch import nn
 
 from mixprec._src import torch_compat
 from mixprec._src.autocast.fp8 import check_attention
-from mixprec._src.autocast.policy import Policy, module_places
+from mixprec._src.autocast.policy import Policy
 from mixprec._src.autocast.rules import Rule
+from mixprec._src.autocast.targets import module_places
 from mixprec._src.fp8.hook import can_serve
 from mixprec.errors import ConfigError
 
