@@ -129,6 +129,8 @@ def test_names_of_one_module_that_take_different_rules_are_refused(kind: str) ->
     with pytest.raises(ConfigError, match="different rules") as info, region:
         model(torch.randn(2, WIDTH))
     assert repr(names[0]) in str(info.value) and repr(names[-1]) in str(info.value)
+    assert not torch.is_autocast_enabled("cpu")  # the region left nothing behind
+    _run(model, f"{names[0]}=fp32")  # and the model runs under a policy that agrees
     with pytest.raises(ConfigError, match="different rules"):
         Policy(clash).resolve(model)
     # the same rule under two names, or a glob before an exact name (the first match per name)

@@ -88,10 +88,13 @@ class Policy:
 
     Module rules (by ``nn.Module`` class or qualified-name glob, ``*`` matching any characters
     including dots; names are relative to the root module called in the region) apply to every
-    module that runs inside the region, with its whole subtree. Op rules (by torch function or
-    op string) apply to calls of the public Python functions of that name (``torch.x``,
-    ``torch.nn.functional.x``, ``Tensor.x``). Rules act only where native autocast is enabled for
-    the region's device: a ``"fp32"`` or ``"keep"`` module is a closed island.
+    module that runs inside the region, with its whole subtree. A module reachable under several
+    names (``nn.ModuleList([block] * 3)``) answers to each; names that take different rules are
+    refused (:meth:`rule_for`). A class outside torch.nn is written ``"module:Qualname"``.
+    Op rules (by torch function or op string) apply to calls of the public Python functions of
+    that name (``torch.x``, ``torch.nn.functional.x``, ``Tensor.x``). Rules act only where native
+    autocast is enabled for the region's device: a ``"fp32"`` or ``"keep"`` module is a closed
+    island.
 
     A policy cannot be changed after construction. Two policies are equal (and hash equal) when
     they behave the same: the same class rules, the same name globs in the same order (the first
