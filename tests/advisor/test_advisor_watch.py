@@ -324,3 +324,24 @@ def test_a_resumed_run_measures_the_phase_it_trains(advice: Any) -> None:
     assert counted is not None and [r.candidate for r in counted.records] == ["nvfp4"] * 2 + ["fp8"]
     with pytest.raises(ConfigError, match="step must be the training loop's step"):
         told.step(batch, step=-3)
+
+
+def test_a_rule_by_any_name_of_a_shared_module_is_the_rule_the_watch_measures() -> None:
+    """One Linear at two places (``0`` and ``2``): a phase that names it by its second name
+    rules it (the forward's resolver), and the watch measures that rule at that phase."""
+    torch.manual_seed(0)
+    shared = nn.Linear(32, 32)
+    model = nn.Sequential(shared, nn.GELU(), shared)
+    gen = torch.Generator().manual_seed(3)
+    batch = (torch.randn(64, 32, generator=gen), torch.randn(64, 32, generator=gen))
+
+    def mse(m: nn.Module, b: Any) -> torch.Tensor:
+        return F.mse_loss(m(b[0]), b[1])
+
+    advice = mixprec.advise(model, batch, mse, candidates=["fp8"], min_sqnr=0.0)
+    assert [m.name for m in advice.modules] == ["0"] and advice.modules[0].choice == "fp8"
+    schedule = mixprec.Schedule({0: advice.policy, 1: "2=nvfp4"})
+    watch = mixprec.Watch(model, mse, advice, every=1, schedule=schedule)
+    first, second = watch.step(batch), watch.step(batch)
+    assert first is not None and [r.candidate for r in first.records] == ["fp8"]
+    assert second is not None and [r.candidate for r in second.records] == ["nvfp4"]

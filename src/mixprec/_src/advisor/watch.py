@@ -51,7 +51,7 @@ from mixprec._src.advisor.arguments import (
     region_dtype,
 )
 from mixprec._src.advisor.choose.options import PerMatmul, module_choice
-from mixprec._src.advisor.choose.policy import build_policy, forward_high, rule_in_force
+from mixprec._src.advisor.choose.policy import build_policy, forward_high
 from mixprec._src.advisor.choose.search import Target, search
 from mixprec._src.advisor.measure.alone import isolated
 from mixprec._src.advisor.measure.guard import Guard
@@ -72,6 +72,7 @@ from mixprec._src.autocast.calls import region_policy
 from mixprec._src.autocast.policy import Policy
 from mixprec._src.autocast.rules import format_dtype
 from mixprec._src.autocast.schedule import Schedule
+from mixprec._src.autocast.tree import rule_of
 from mixprec._src.torch_compat import mark_constant
 from mixprec.errors import ConfigError, MixprecWarning
 
@@ -307,7 +308,8 @@ class Watch:
         if self.schedule is None:
             return Candidate.of(row.choice)
         policy = self._in_force()
-        rule = None if policy is None else rule_in_force(policy, self.model, row.name)
+        module = self._modules[row.name]
+        rule = None if policy is None else rule_of(self.model, policy, module)
         try:
             return None if rule is None else Candidate.of(str(rule).partition("@")[0])
         except ConfigError:

@@ -136,6 +136,25 @@ def _inherits_two(names: list[str], ups: list[Effective]) -> ConfigError:
     )
 
 
+def rule_of(root: nn.Module, policy: Policy, module: nn.Module) -> Rule | None:
+    """The rule ``policy`` gives ``module`` of the model ``root`` as its forward would (its own,
+    by any of its names or its class, else its parents'), without running anything: what the
+    watch asks. Nothing is kept.
+
+    Example:
+        >>> lin = nn.Linear(2, 2)
+        >>> rule_of(nn.Sequential(lin, nn.ReLU(), lin), Policy("2=fp32"), lin)
+        Rule('fp32')
+
+    Raises:
+        ConfigError: the module's names, or its parents, give it different rules.
+
+    Host sync: none.
+    """
+    eff = Plan(root, policy).rules.get(id(module))
+    return None if eff is None else eff.rule
+
+
 class Tree:
     """The qualified names of one root's modules (``names``: torch's first name of each, with
     the keys that lead to it; ``every``: all names, several for a module reachable by several
