@@ -73,11 +73,24 @@ class TwoParents(nn.Module):
         return self.b(self.a(x))
 
 
+class TiedHead(nn.Module):
+    """A head that is the body's last Linear (``head`` and ``body.2``), or a copy of it."""
+
+    def __init__(self, tied: bool = True) -> None:
+        super().__init__()
+        self.body = nn.Sequential(nn.Linear(WIDTH, WIDTH), nn.GELU(), nn.Linear(WIDTH, WIDTH))
+        self.head = self.body[2] if tied else copy.deepcopy(self.body[2])
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.head(torch.tanh(self.body(x)))
+
+
 # model class, the names of the shared module, a glob naming each of them
 SHARED = {
     "blocks": (Repeated, ["layers.0", "layers.1", "layers.2"], "layers.*"),
     "block children": (Repeated, ["layers.0.fc", "layers.1.fc", "layers.2.fc"], "layers.*.fc"),
     "two parents": (TwoParents, ["a.inner", "b.inner"], "*.inner"),
+    "tied head": (TiedHead, ["body.2", "head"], "*[2d]"),
 }
 RULES = ["fp32", "bf16", "fp16", "fp32@low", "mxfp8", "nvfp4", "bf16/mxfp8/bf16"]
 
