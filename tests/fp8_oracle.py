@@ -5,7 +5,8 @@ data), independently of the code under test (``fp8/matmul.py``, the hook, autoca
 It is the emulated path as the recipes define it: each of the three matmuls of ``y = x @ W.T``
 multiplies its two operands cast per the recipe along the contraction dimension, dequantized to
 float32, the product rounded to the high-precision dtype ``hp``; a matmul whose casts are None
-(``rowwise_gw_hp``'s grad_weight) is a float32 matmul of the ``hp`` operands. The tokens are
+(``rowwise_gw_hp``'s grad_weight) is torch's matmul of the ``hp`` operands in ``hp`` (as
+autocast's matmul and torchao's high-precision grad_weight run it). The tokens are
 zero-padded to the recipe's blocks for the grad_weight matmul. Stochastic rounding (NVFP4's
 gradients) draws from torch's generator in the order the recipe names the casts: grad_input's
 grad_output first, then grad_weight's.
@@ -56,7 +57,7 @@ def _backward(ctx: Any, dy: torch.Tensor) -> Any:
         dx = torch.mm(_cast(dy, r.dy_gi, 1), _cast(w, r.w_gi, 0)).to(hp)
     if ctx.needs_input_grad[1]:
         if r.dy_gw is None or r.x_gw is None:
-            dw = torch.mm(dy.t().float(), x.float()).to(hp)
+            dw = torch.mm(dy.t(), x.to(hp))  # autocast's matmul, in hp
         else:
             rows = r.multiples()[0]
             gy, gx = _cast(_pad(dy, rows), r.dy_gw, 0), _cast(_pad(x, rows), r.x_gw, 0)

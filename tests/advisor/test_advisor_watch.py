@@ -124,6 +124,8 @@ def test_a_16_bit_advice_is_watched_without_a_reference_pass() -> None:
         ({"tolerance": -1}, "tolerance must be a number >= 0"),
         ({"rise": math.nan}, "rise must be a number >= 0"),
         ({"hook": 3}, "hook must be None or a function"),
+        ({"start_step": -1}, "start_step must be the training loop's step"),
+        ({"start_step": 2.0}, "start_step must be the training loop's step"),
     ],
 )
 def test_bad_arguments(advice: Any, kwargs: dict[str, Any], match: str) -> None:
@@ -287,3 +289,59 @@ def test_a_mix_s_fractions_are_compared_with_its_first_figures() -> None:
     assert (
         problem is not None and "flushes to 0 50%" in problem and "when first measured" in problem
     )
+
+
+def test_a_resumed_run_measures_the_phase_it_trains(advice: Any) -> None:
+    """A loop resumed at step 60 of a schedule whose second phase starts at 50: a watch told the
+    loop's step (``start_step=`` or ``step(step=)``) checks at the uninterrupted run's steps and
+    measures the phase the loop trains, as the watch that ran from step 0 does; one that counts
+    its own calls from 0 measures the first phase."""
+    from mixprec._src.advisor.choose.policy import rule_in_force
+
+    coarse = mixprec.Policy("0=nvfp4, 2=nvfp4, 4=fp8")
+    schedule = mixprec.Schedule({0: coarse, 50: advice.policy})
+    batch = _batch(1.0)
+
+    def watch(**kwargs: Any) -> Any:
+        return mixprec.Watch(_model(), loss_fn, advice, sample=3, schedule=schedule, **kwargs)
+
+    whole = watch(every=61)
+    reports = [whole.step(batch) for _ in range(61)]  # steps 0..60, a check after step 60
+    assert reports[:60] == [None] * 60 and reports[60] is not None
+    resumed = watch(every=61, start_step=60).step(batch)
+    told = watch(every=61)
+    assert told.step(batch, step=59) is None  # step 59: no check due
+    told_report = told.step(batch, step=60)
+    counted = watch(every=1).step(batch)  # counts from 0: measures step 0's phase
+    in_phase = [str(rule_in_force(schedule.at(60), _model(), r.name)) for r in reports[60].records]
+    assert in_phase != ["nvfp4"] * 2 + ["fp8"]  # the two phases differ: the test can tell
+    for report in (resumed, told_report):
+        assert report is not None
+        assert [(r.step, r.candidate) for r in report.records] == [
+            (r.step, r.candidate) for r in reports[60].records
+        ]
+        assert [r.candidate for r in report.records] == in_phase
+    assert counted is not None and [r.candidate for r in counted.records] == ["nvfp4"] * 2 + ["fp8"]
+    with pytest.raises(ConfigError, match="step must be the training loop's step"):
+        told.step(batch, step=-3)
+
+
+def test_a_rule_by_any_name_of_a_shared_module_is_the_rule_the_watch_measures() -> None:
+    """One Linear at two places (``0`` and ``2``): a phase that names it by its second name
+    rules it (the forward's resolver), and the watch measures that rule at that phase."""
+    torch.manual_seed(0)
+    shared = nn.Linear(32, 32)
+    model = nn.Sequential(shared, nn.GELU(), shared)
+    gen = torch.Generator().manual_seed(3)
+    batch = (torch.randn(64, 32, generator=gen), torch.randn(64, 32, generator=gen))
+
+    def mse(m: nn.Module, b: Any) -> torch.Tensor:
+        return F.mse_loss(m(b[0]), b[1])
+
+    advice = mixprec.advise(model, batch, mse, candidates=["fp8"], min_sqnr=0.0)
+    assert [m.name for m in advice.modules] == ["0"] and advice.modules[0].choice == "fp8"
+    schedule = mixprec.Schedule({0: advice.policy, 1: "2=nvfp4"})
+    watch = mixprec.Watch(model, mse, advice, every=1, schedule=schedule)
+    first, second = watch.step(batch), watch.step(batch)
+    assert first is not None and [r.candidate for r in first.records] == ["fp8"]
+    assert second is not None and [r.candidate for r in second.records] == ["nvfp4"]

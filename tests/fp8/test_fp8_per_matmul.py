@@ -1,9 +1,9 @@
 """Rules per matmul (``"mxfp8/mxfp8/nvfp4"``: fprop/dgrad/wgrad): every combination of formats
 runs each of a Linear's three matmuls as the oracle here writes it with the recipes' own cast
 functions (``quantize``/``dequantize`` per operand, an fp32 matmul, the result in the region's
-dtype), bit for bit, eager and compiled; the text round-trips; on a GPU that runs some of the
-parts in hardware and not the others the rule is refused by name, and ``matmul_path`` answers
-per matmul.
+dtype; a high-precision part: torch's matmul in its dtype, as autocast runs it), bit for bit,
+eager and compiled; the text round-trips; on a GPU that runs some of the parts in hardware and
+not the others the rule is refused by name, and ``matmul_path`` answers per matmul.
 """
 
 from __future__ import annotations
@@ -53,19 +53,26 @@ def _deq(t: torch.Tensor, cast: Any, dim: int) -> torch.Tensor:
     return dequantize(quantize(t, cast, dim)[0], cast)
 
 
-def _operands(
-    part: str, i: int, a: torch.Tensor, b: torch.Tensor, dims: tuple[int, int], hp: torch.dtype
-) -> tuple[torch.Tensor, torch.Tensor]:
-    """The fp32 values matmul ``i`` multiplies, as ``part`` runs it: both operands (as they are
-    stored, contracting along ``dims``) cast by the registry recipe's casts for that matmul, or
-    rounded to the part's dtype (a recipe's own high-precision matmul: the region's)."""
+def _product(
+    part: str,
+    i: int,
+    operands: tuple[torch.Tensor, torch.Tensor],
+    dims: tuple[int, int],
+    hp: torch.dtype,
+    op: Any,
+) -> torch.Tensor:
+    """Matmul ``i`` (``op`` of its operands, as they are stored, contracting along ``dims``) as
+    ``part`` runs it: on the operands cast by the registry recipe's casts for that matmul, in
+    fp32, the result in ``hp``; or autocast's matmul in the part's dtype (a recipe's own
+    high-precision matmul: the region's)."""
+    a, b = operands
     recipe = RECIPES.get(part)
     pair = recipe.pairs[i] if recipe is not None else (None, None)
     if pair[0] is None:
         dtype = HIGH.get(part, hp)
-        return a.to(dtype).float(), b.to(dtype).float()
+        return op(a.to(dtype), b.to(dtype)).to(hp)
     ca, cb = pair
-    return _deq(a, ca, dims[0]), _deq(b, cb, dims[1])
+    return op(_deq(a, ca, dims[0]), _deq(b, cb, dims[1])).to(hp)
 
 
 def _pad(t: torch.Tensor, parts: tuple[str, ...]) -> torch.Tensor:
@@ -81,13 +88,11 @@ def oracle(
     """(output, grad_input, grad_weight) of ``x @ w.T`` with each matmul in its part; the
     stochastic casts draw in the order the recipe runs them (grad_input's, then grad_weight's)."""
     xdtype, x, dy = x.dtype, x.to(hp), dy.to(hp)
-    a, b = _operands(parts[0], 0, x, w, (1, 1), hp)
-    out = (a @ b.t()).to(hp)
+    out = _product(parts[0], 0, (x, w), (1, 1), hp, lambda a, b: a @ b.t())
     torch.manual_seed(1)
-    a, b = _operands(parts[1], 1, dy, w, (1, 0), hp)
-    dx = (a @ b).to(hp)
-    a, b = _operands(parts[2], 2, _pad(dy, parts), _pad(x, parts), (0, 0), hp)
-    dw = (a.t() @ b).to(hp)
+    dx = _product(parts[1], 1, (dy, w), (1, 0), hp, lambda a, b: a @ b)
+    gw = (_pad(dy, parts), _pad(x, parts))
+    dw = _product(parts[2], 2, gw, (0, 0), hp, lambda a, b: a.t() @ b)
     return out, dx.to(xdtype), dw.to(w.dtype)
 
 

@@ -51,7 +51,7 @@ from mixprec._src.advisor.arguments import (
     region_dtype,
 )
 from mixprec._src.advisor.choose.options import PerMatmul, module_choice
-from mixprec._src.advisor.choose.policy import build_policy, forward_high, rule_in_force
+from mixprec._src.advisor.choose.policy import build_policy, forward_high
 from mixprec._src.advisor.choose.search import Target, search
 from mixprec._src.advisor.measure.alone import isolated
 from mixprec._src.advisor.measure.guard import Guard
@@ -72,6 +72,7 @@ from mixprec._src.autocast.calls import region_policy
 from mixprec._src.autocast.policy import Policy
 from mixprec._src.autocast.rules import format_dtype
 from mixprec._src.autocast.schedule import Schedule
+from mixprec._src.autocast.tree import rule_of
 from mixprec._src.torch_compat import mark_constant
 from mixprec.errors import ConfigError, MixprecWarning
 
@@ -103,6 +104,10 @@ class Watch:
         apply: apply a proposed switch (:attr:`WatchReport.switch`) to ``schedule`` from the
             next step on, in the current phase and every later one, and log what changed (the
             ``"mixprec"`` logger, and the alert's warning).
+        start_step: the loop's step the watch starts at (the step whose forward runs next, as
+            ``schedule.at(step)`` counts): a run resumed at step 6000 passes 6000, so that its
+            checks fall on the loop's steps and measure the phase it trains. ``step(step=...)``
+            sets the count at each call instead.
 
     Raises:
         ConfigError: a bad argument, or an advice whose modules the model does not have.
@@ -136,8 +141,10 @@ class Watch:
         hook: Callable[[WatchReport], object] | None = None,
         schedule: Schedule | None = None,
         apply: bool = False,
+        start_step: int = 0,
     ) -> None:
         _check(model, loss_fn, advice, (every, sample), (tolerance, rise), hook)
+        _loop_step(start_step, "start_step")
         _check_schedule(schedule, apply)
         self.schedule, self.apply = schedule, apply
         self.model, self.loss_fn, self.advice = model, loss_fn, advice
@@ -157,16 +164,20 @@ class Watch:
         self._blind_warned = False
         self._lost_ground: set[str] = set()  # modules whose last margin alert stands
         self._records: list[WatchRecord] = []
-        self._steps = 0
+        self._steps = start_step  # the steps trained: the loop's next step (one count)
         self._turn = 0
         self._batch: Any = None
         self.last: WatchReport | None = None
 
-    def step(self, batch: Any = None) -> WatchReport | None:
+    def step(self, batch: Any = None, *, step: int | None = None) -> WatchReport | None:
         """Count a training step; at every ``every``-th, check on ``batch`` (default: the last
         batch passed) and return the :class:`WatchReport`, else None.
 
-        Call it after the optimizer step. The model's parameters, buffers, ``.grad``, training
+        Call it after the optimizer step. ``step`` is the loop's step just trained (the number
+        it gave ``schedule.at(step)``): the watch takes the loop's count instead of counting its
+        calls from ``start_step``, so a resumed or skipping loop is checked at its own steps and
+        measured in the phase it trains; a check is due when ``step + 1`` is a multiple of
+        ``every``. The model's parameters, buffers, ``.grad``, training
         flags and RNG state are left as they were. When the model's training forwards since the
         last step ran under a policy other than the advice's (or outside any mixprec region),
         it warns once per such policy: the watch measures the advice's choices, not what the
@@ -176,12 +187,13 @@ class Watch:
         seen.
 
         Raises:
-            ConfigError: a check is due and no batch was ever passed, or a watched module is no
-                longer the model's (replaced or removed since the advice).
+            ConfigError: a check is due and no batch was ever passed, a watched module is no
+                longer the model's (replaced or removed since the advice), or ``step`` is not
+                an int >= 0.
 
         Host sync: none between checks; a check reads its figures back.
         """
-        self._steps += 1
+        self._steps = self._steps + 1 if step is None else _loop_step(step, "step") + 1
         if batch is not None:
             self._batch = batch
         self._notice_other_policy()
@@ -296,7 +308,8 @@ class Watch:
         if self.schedule is None:
             return Candidate.of(row.choice)
         policy = self._in_force()
-        rule = None if policy is None else rule_in_force(policy, self.model, row.name)
+        module = self._modules[row.name]
+        rule = None if policy is None else rule_of(self.model, policy, module)
         try:
             return None if rule is None else Candidate.of(str(rule).partition("@")[0])
         except ConfigError:
@@ -542,6 +555,15 @@ def _check(
     missing = [m.name for m in advice.modules if m.name not in named]
     if missing:
         raise ConfigError(f"the advice names modules the model does not have: {missing[:5]}")
+
+
+def _loop_step(step: object, name: str) -> int:
+    if isinstance(step, bool) or not isinstance(step, int) or step < 0:
+        raise ConfigError(
+            f"{name} must be the training loop's step, an int >= 0 (as schedule.at(step) "
+            f"takes), got {step!r}"
+        )
+    return step
 
 
 def _check_schedule(schedule: object, apply: object) -> None:

@@ -198,7 +198,7 @@ def names_run(frame: Frame) -> list[str]:
 
     Host sync: none.
     """
-    return sorted({n for root in frame.roots for n, _ in tree_of(root).names.values()})
+    return sorted({n for root in frame.roots for n in tree_of(root).every})
 
 
 def is_wrapper(module: nn.Module) -> bool:

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import fnmatch
 import functools
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from types import MappingProxyType
 from typing import Any, NamedTuple
@@ -18,12 +18,13 @@ from mixprec._src.autocast.rules import Rule, RuleLike, accepted_compute
 from mixprec._src.autocast.targets import (
     OpRule,
     class_label,
+    disagreeing,
     glob_tokens,
+    module_places,
     parse_spec,
-    python_op_names,
     resolve_module,
     resolve_op,
-    spelled_op,
+    unmatched_hint,
 )
 from mixprec.errors import ConfigError
 
@@ -87,10 +88,13 @@ class Policy:
 
     Module rules (by ``nn.Module`` class or qualified-name glob, ``*`` matching any characters
     including dots; names are relative to the root module called in the region) apply to every
-    module that runs inside the region, with its whole subtree. Op rules (by torch function or
-    op string) apply to calls of the public Python functions of that name (``torch.x``,
-    ``torch.nn.functional.x``, ``Tensor.x``). Rules act only where native autocast is enabled for
-    the region's device: a ``"fp32"`` or ``"keep"`` module is a closed island.
+    module that runs inside the region, with its whole subtree. A module reachable under several
+    names (``nn.ModuleList([block] * 3)``) answers to each; names that take different rules are
+    refused (:meth:`rule_for`). A class outside torch.nn is written ``"module:Qualname"``.
+    Op rules (by torch function or op string) apply to calls of the public Python functions of
+    that name (``torch.x``, ``torch.nn.functional.x``, ``Tensor.x``). Rules act only where native
+    autocast is enabled for the region's device: a ``"fp32"`` or ``"keep"`` module is a closed
+    island.
 
     A policy cannot be changed after construction. Two policies are equal (and hash equal) when
     they behave the same: the same class rules, the same name globs in the same order (the first
@@ -225,16 +229,42 @@ class Policy:
 
         Host sync: none.
         """
-        if name is not None:
+        return self.rule_for(module, () if name is None else (name,))
+
+    def rule_for(self, module: nn.Module, names: Sequence[str]) -> tuple[object, Rule] | None:
+        """The key and the rule of a module known under several ``names`` (one module object
+        reached by several paths: ``nn.ModuleList([block] * 3)``, a module assigned to two
+        parents): a name glob matching ANY of its names applies (for each name its first
+        matching glob), else the nearest class rule.
+
+        Example:
+            >>> from torch import nn
+            >>> from mixprec import Policy
+            >>> Policy("h.1=fp32").rule_for(nn.Linear(2, 2), ["h.0", "h.1"])
+            ('h.1', Rule('fp32'))
+
+        Raises:
+            ConfigError: two of its names take different rules (one module object has one
+                rule); the message names them, the rules and the fix.
+
+        Host sync: none.
+        """
+        found: list[tuple[str, str, Rule]] = []
+        for name in names:
             for glob, rule in self._name_rules:
                 if fnmatch.fnmatchcase(name, glob):
-                    return glob, rule
+                    found.append((name, glob, rule))
+                    break
+        if found:
+            if any(rule != found[0][2] for _, _, rule in found):
+                raise disagreeing(names, found)
+            return found[0][1], found[0][2]
         classes: dict[type, Rule] = self._class_rules
         if classes:
             for cls in type(module).__mro__:
-                found = classes.get(cls)
-                if found is not None:
-                    return cls, found
+                by_class = classes.get(cls)
+                if by_class is not None:
+                    return cls, by_class
         return None
 
     def with_matmuls(
@@ -270,7 +300,9 @@ class Policy:
         return Policy(modules=modules, ops=ops, strict=self.strict)
 
     def resolve(self, model: nn.Module) -> dict[str, Rule]:
-        """Resolve the module rules over ``model.named_modules()`` (the static view).
+        """Resolve the module rules over ``model.named_modules()`` (the static view): each
+        module by its first name in torch's order, with the rule its names take
+        (:meth:`rule_for`; a module reachable under several names answers to each of them).
 
         Example:
             >>> from torch import nn
@@ -281,18 +313,18 @@ class Policy:
 
         Raises:
             ConfigError: with ``strict``, a name glob matches no module of ``model``; the message
-                lists the module names.
+                lists the module names. Two names of one module take different rules.
 
         Host sync: none.
         """
-        named = list(model.named_modules())
+        places = module_places(model)
         if self.strict:
-            error = self._unmatched_error([n for n, _ in named], "of the model")
+            names = [n for _, every in places.values() for n in every]
+            error = self._unmatched_error(names, "of the model")
             if error is not None:
                 raise error
-        return {
-            name: rule for name, mod in named if (rule := self.module_rule(mod, name)) is not None
-        }
+        found = {every[0]: self.rule_for(mod, every) for mod, every in places.values()}
+        return {name: rule_source[1] for name, rule_source in found.items() if rule_source}
 
     def _unmatched_error(self, names: list[str], where: str) -> ConfigError | None:
         """The error for name globs that match none of ``names`` (None when all match).
@@ -306,18 +338,15 @@ class Policy:
         missing = [g for g in globs if not any(fnmatch.fnmatchcase(n, g) for n in names)]
         if not missing:
             return None
-        shown = ", ".join(repr(n) for n in names[:40] if n) or "(none)"
-        more = f" and {len(names) - 40} more" if len(names) > 40 else ""
-        ops = [g for g in missing if g in python_op_names()]
-        hint = (
-            f" {ops[0]!r} is read as a module name; for the op write {spelled_op(ops[0])!r}."
-            if ops
-            else ""
-        )
+        hints = "".join(unmatched_hint(g, names) for g in missing)
+        if not hints:
+            shown = ", ".join(repr(n) for n in names[:12] if n) or "(none)"
+            more = f" and {len(names) - 12} more" if len(names) > 12 else ""
+            hints = f" Module names: {shown}{more}."
         return ConfigError(
-            f"module rule(s) {', '.join(map(repr, missing))} matched no module {where}. "
-            f"Module names: {shown}{more}. Names are relative to the outermost module called;"
-            f"{hint} Pass Policy(..., strict=False) to allow unmatched rules."
+            f"module rule(s) {', '.join(map(repr, missing))} matched no module {where}.{hints} "
+            "Names are relative to the outermost module called; pass Policy(..., strict=False) "
+            "to allow unmatched rules."
         )
 
     # ------------------------------------------------------------------ value protocol

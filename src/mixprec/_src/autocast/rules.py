@@ -9,6 +9,7 @@ entry there plus the code that applies it.
 
 from __future__ import annotations
 
+import difflib
 import functools
 from dataclasses import dataclass
 
@@ -102,6 +103,25 @@ def accepted_compute(target: str | None = None) -> str:
     return ", ".join([*words, 'torch.float16 / "fp16"', 'torch.bfloat16 / "bf16"'])
 
 
+def did_you_mean(text: str, options: list[str] | tuple[str, ...]) -> str:
+    """``"did you mean 'nvfp4'? "`` for the options close to ``text`` (none close: "").
+
+    Example:
+        >>> did_you_mean("nvpf4", ["fp8", "mxfp8", "nvfp4"])
+        "did you mean 'nvfp4'? "
+
+    Host sync: none.
+    """
+    close = difflib.get_close_matches(text.strip().lower(), list(options), 3, 0.6)
+    return f"did you mean {' or '.join(map(repr, close))}? " if close else ""
+
+
+def _compute_words() -> list[str]:
+    words = [*KINDS, *_DTYPE_WORDS, *_FP32_WORDS]
+    words += [f"{k.word}:{r}" for k in KINDS.values() if len(k.recipes) > 1 for r in k.recipes]
+    return words
+
+
 @functools.lru_cache(maxsize=256)
 def _parse_word(text: str) -> tuple[str | torch.dtype, str | None]:
     """``"kind[:recipe]"`` or a dtype word -> (word or dtype, the recipe as written or None)."""
@@ -110,7 +130,8 @@ def _parse_word(text: str) -> tuple[str | torch.dtype, str | None]:
     if word not in KINDS:
         if word in _DTYPE_WORDS and not sep:
             return _DTYPE_WORDS[word], None
-        raise ConfigError(f"unknown precision rule {text!r}; accepted: {accepted_compute()}")
+        hint = did_you_mean(text, _compute_words())
+        raise ConfigError(f"unknown precision rule {text!r}; {hint}accepted: {accepted_compute()}")
     if sep and not recipe.strip():
         raise ConfigError(f"precision rule {text!r} has an empty recipe after ':'")
     return word, recipe.strip() or None
@@ -177,7 +198,9 @@ def _parse_compute(value: object, recipe: object) -> tuple[str | torch.dtype, st
         return word, kind.recipes[0]
     if chosen not in kind.recipes:
         raise ConfigError(
-            f"unknown recipe {chosen!r} for {word!r}; accepted: "
+            f"unknown recipe {chosen!r} for {word!r}; "
+            + did_you_mean(f"{word}:{chosen}", [f"{word}:{r}" for r in kind.recipes])
+            + "accepted: "
             + ", ".join(f'"{word}:{r}"' for r in kind.recipes)
         )
     return word, chosen
@@ -196,7 +219,12 @@ def _parse_output(value: object) -> str | torch.dtype | None:
             return torch.float32
         if word in _DTYPE_WORDS:
             return _DTYPE_WORDS[word]
-    raise ConfigError(f"unknown output cast {value!r}; accepted: {_ACCEPTED_OUTPUT}")
+    hint = (
+        did_you_mean(value, ["input", "low", *_FP32_WORDS, *_DTYPE_WORDS])
+        if isinstance(value, str)
+        else ""
+    )
+    raise ConfigError(f"unknown output cast {value!r}; {hint}accepted: {_ACCEPTED_OUTPUT}")
 
 
 @dataclass(frozen=True, init=False)

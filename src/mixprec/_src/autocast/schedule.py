@@ -189,6 +189,8 @@ class Schedule:
                 for s, p, strict in state["phases"]
             ]
             total = state["total_steps"]
+        except ConfigError:
+            raise  # a policy that does not read back (a class that cannot be imported): its fix
         except (KeyError, TypeError, ValueError) as err:
             raise ConfigError(f"not a Schedule.state_dict(): {err!r}") from None
         loaded = Schedule(rows, total_steps=total)

@@ -10,7 +10,9 @@ from __future__ import annotations
 
 import difflib
 import functools
-from collections.abc import Callable
+import importlib
+import re
+from collections.abc import Callable, Sequence
 from typing import Any, NamedTuple
 
 import torch
@@ -40,9 +42,12 @@ _OP_FORMS = (
     "or a string 'aten::gelu', 'F.softmax', 'torch.nn.functional.softmax', 'Tensor.softmax'"
 )
 _MODULE_FORMS = (
-    "an nn.Module subclass (nn.LayerNorm, or the string 'nn.LayerNorm'), or a qualified-name "
-    "glob string ('encoder.*.attn')"
+    "an nn.Module subclass (nn.LayerNorm, or the string 'nn.LayerNorm'; a class outside torch.nn "
+    "as 'package.module:ClassName', e.g. 'transformers.pytorch_utils:Conv1D'), or a "
+    "qualified-name glob string ('encoder.*.attn')"
 )
+# A class outside torch.nn, written as its module and qualified name ("pkg.mod:Outer.Inner").
+_IMPORTED = re.compile(r"[A-Za-z_]\w*(\.[A-Za-z_]\w*)*:[A-Za-z_][\w.<>]*")
 
 
 @functools.cache
@@ -83,6 +88,7 @@ def _unknown_class(text: str) -> ConfigError:
     classes = [n for n in dir(nn) if _is_module_class(public_attr(nn, n, None))]
     close = difflib.get_close_matches(text.rpartition(".")[2], classes, 3)
     hint = f"; did you mean {', '.join('nn.' + c for c in close)}?" if close else ""
+    hint += outside_hint(text.rpartition(".")[2])
     return ConfigError(
         f"module rule names {text!r}, which is not an nn.Module class in torch.nn{hint} "
         f"Accepted: {_MODULE_FORMS}. For a submodule named like that, write the name as a glob "
@@ -136,6 +142,61 @@ def _is_module_class(obj: object) -> bool:
     return isinstance(obj, type) and issubclass(obj, nn.Module)
 
 
+def outside_hint(word: str) -> str:
+    """How to write the loaded ``nn.Module`` classes outside torch.nn whose name is ``word``
+    (``"Conv1D"`` -> ``" For the class write 'transformers.pytorch_utils:Conv1D'."``), or "".
+
+    Example:
+        >>> outside_hint("NoSuchClassAnywhere")
+        ''
+
+    Host sync: none.
+    """
+    found, todo, seen = [], list(nn.Module.__subclasses__()), set()
+    while todo:
+        cls = todo.pop()
+        if cls in seen:
+            continue
+        seen.add(cls)
+        todo.extend(cls.__subclasses__())
+        label = class_label(cls)
+        if cls.__name__ == word and label.startswith("nn.") is False and "<" not in label:
+            found.append(label)
+    if not found:
+        return ""
+    return f" For the class write {' or '.join(map(repr, sorted(found)))} (module:ClassName)."
+
+
+def _import_class(text: str) -> type[nn.Module]:
+    """The class ``"pkg.mod:Outer.Inner"`` names, imported; a ConfigError with the fix."""
+    module_name, _, qualname = text.partition(":")
+    fix = (
+        "Name a class outside torch.nn as 'package.module:ClassName' (its __module__ and "
+        "__qualname__) from an importable module, or pass the class itself in modules={cls: "
+        f"...}}; for a submodule whose name holds ':', write it as a glob "
+        f"({text.replace(':', '[:]')!r})"
+    )
+    if "<locals>" in qualname:
+        raise ConfigError(
+            f"module rule {text!r} names a class defined inside a function, which cannot be "
+            f"imported back. Define it at module level. {fix}"
+        )
+    try:
+        obj: object = importlib.import_module(module_name)
+    except Exception as err:
+        raise ConfigError(
+            f"module rule {text!r}: cannot import {module_name!r} ({err}). {fix}"
+        ) from err
+    for part in qualname.split("."):
+        obj = getattr(obj, part, None)
+    if not _is_module_class(obj):
+        raise ConfigError(
+            f"module rule {text!r}: {module_name!r} has no nn.Module class {qualname!r}."
+            f"{outside_hint(qualname.rpartition('.')[2])} {fix}"
+        )
+    return obj  # type: ignore[return-value]
+
+
 @functools.lru_cache(maxsize=512)
 def _resolve_string(text: str) -> tuple[str, object]:
     """Classify one target string: ``("op", (name, label))``, ``("class", cls)`` or
@@ -150,6 +211,8 @@ def _resolve_string(text: str) -> tuple[str, object]:
                 f"mixprec can intercept; name the public function instead. Accepted: {_OP_FORMS}"
             )
         return "op", (base, f"aten::{base}")
+    if _IMPORTED.fullmatch(text):
+        return "class", _import_class(text)
     root, _, rest = text.partition(".")
     if root not in _ROOTS or not rest or any(c in text for c in "*?["):
         return "glob", text  # no torch name has glob characters
@@ -289,6 +352,59 @@ def glob_tokens(text: str) -> list[tuple[int, str]]:
 
 
 def class_label(cls: type) -> str:
+    """How a policy string names a class: ``nn.X`` for torch.nn's, else ``module:Qualname``,
+    which the policy string imports back.
+
+    Example:
+        >>> from torch.nn.modules.linear import NonDynamicallyQuantizableLinear as Packed
+        >>> class_label(nn.Linear), class_label(Packed)
+        ('nn.Linear', 'torch.nn.modules.linear:NonDynamicallyQuantizableLinear')
+
+    Host sync: none.
+    """
     if public_attr(nn, cls.__name__, None) is cls:
         return f"nn.{cls.__name__}"
-    return f"{cls.__module__}.{cls.__qualname__}"
+    return f"{cls.__module__}:{cls.__qualname__}"
+
+
+def unmatched_hint(glob: str, names: list[str]) -> str:
+    """What a glob that matched nothing may have meant: close module names, a class outside
+    torch.nn of that name, an op of that name; "" when nothing is close."""
+    hint = ""
+    close = difflib.get_close_matches(glob, [n for n in names if n], 3, 0.75)
+    if close:
+        hint += f" For {glob!r}, did you mean {', '.join(map(repr, close))}?"
+    if glob.isidentifier():
+        hint += outside_hint(glob)
+        if glob in python_op_names():
+            hint += f" {glob!r} is read as a module name; for the op write {spelled_op(glob)!r}."
+    return hint
+
+
+def module_places(root: nn.Module) -> dict[int, tuple[nn.Module, list[str]]]:
+    """Each module of ``root`` (by id, in torch's ``named_modules`` order) with every name it is
+    reachable under, torch's own (first) name first.
+
+    Example:
+        >>> from torch import nn
+        >>> block = nn.Linear(2, 2)
+        >>> [names for _, names in module_places(nn.Sequential(block, block)).values()]
+        [[''], ['0', '1']]
+
+    Host sync: none.
+    """
+    places: dict[int, tuple[nn.Module, list[str]]] = {}
+    for name, mod in root.named_modules(remove_duplicate=False):
+        places.setdefault(id(mod), (mod, []))[1].append(name)
+    return places
+
+
+def disagreeing(names: Sequence[str], found: list[tuple[str, str, Rule]]) -> ConfigError:
+    taken = ", ".join(f"{name!r} takes {glob}={rule}" for name, glob, rule in found)
+    return ConfigError(
+        f"one module is reachable under the names {', '.join(map(repr, names))} and its "
+        f"names take different rules: {taken}. One module object runs at each of its names "
+        "(nn.ModuleList([block] * 3), a module assigned to two parents), so it has one rule: "
+        "give its names one rule, or build separate modules (copy.deepcopy) to rule each "
+        "place on its own"
+    )

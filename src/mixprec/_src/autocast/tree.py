@@ -23,7 +23,9 @@ from mixprec._src import torch_compat
 from mixprec._src.autocast.fp8 import check_attention
 from mixprec._src.autocast.policy import Policy
 from mixprec._src.autocast.rules import Rule
+from mixprec._src.autocast.targets import module_places
 from mixprec._src.fp8.hook import can_serve
+from mixprec.errors import ConfigError
 
 _PLANS_KEPT = 8
 
@@ -69,6 +71,13 @@ def _serves_own_matrix(module: nn.Module) -> bool:
 class Plan:
     """The effective rule of each module of one tree under one policy (by module id).
 
+    A module reachable under several names (``nn.ModuleList([block] * 3)``, a module assigned to
+    two parents) answers to each of them: its own rule is the one its names take
+    (:meth:`Policy.rule_for`, an error where they disagree); without one it inherits from each
+    of its parents, the first in torch's order where they give the same rule, an error where
+    they give different ones. The owner is always named by its first name in torch's order,
+    the name a call of it is known by.
+
     Host sync: none.
     """
 
@@ -76,33 +85,90 @@ class Plan:
 
     def __init__(self, root: nn.Module, policy: Policy) -> None:
         self.rules: dict[int, Effective] = {}
-        by_name: dict[str, Effective | None] = {}
-        for name, mod in root.named_modules(remove_duplicate=False):
-            own = policy.rule_source(mod, name)
-            if own is not None:
-                guard = own[1].fp8_family and _holds_matrix(mod)
-                eff: Effective | None = Effective(name, own[1], own[0], guard)
-            else:
-                up = by_name.get(name.rpartition(".")[0]) if name else None
-                guard = up is not None and up.rule.fp8_family and _serves_own_matrix(mod)
-                eff = None if up is None else Effective(up.owner, up.rule, up.source, guard)
-            by_name[name] = eff
+        places = module_places(root)
+        parents: dict[int, list[int]] = {}
+        at_name = {name: mod for mod, names in places.values() for name in names}
+        for key, (_, names) in places.items():
+            ups = (id(at_name[n.rpartition(".")[0]]) for n in names if n)
+            parents[key] = list(dict.fromkeys(ups))
+        done: dict[int, Effective | None] = {}
+        for key in places:
+            eff = _effective(key, policy, places, parents, done)
             if eff is not None:
-                self.rules[id(mod)] = eff
+                self.rules[key] = eff
         check_attention(root, self.rules)
 
 
-class Tree:
-    """The qualified names of one root's modules, with the keys that lead to each, and the plans
-    of the policies it ran under (a few, newest last). Host sync: none."""
+def _effective(
+    key: int,
+    policy: Policy,
+    places: dict[int, tuple[nn.Module, list[str]]],
+    parents: dict[int, list[int]],
+    done: dict[int, Effective | None],
+) -> Effective | None:
+    """The effective rule of module ``key`` (memoized in ``done``; parents first)."""
+    if key in done:
+        return done[key]
+    mod, names = places[key]
+    own = policy.rule_for(mod, names)
+    if own is not None:
+        eff: Effective | None = Effective(
+            names[0], own[1], own[0], own[1].fp8_family and _holds_matrix(mod)
+        )
+    else:
+        ups = [e for p in parents[key] if (e := _effective(p, policy, places, parents, done))]
+        if any(up.rule != ups[0].rule for up in ups):
+            raise _inherits_two(names, ups)
+        up = ups[0] if ups else None
+        guard = up is not None and up.rule.fp8_family and _serves_own_matrix(mod)
+        eff = None if up is None else Effective(up.owner, up.rule, up.source, guard)
+    done[key] = eff
+    return eff
 
-    __slots__ = ("names", "plans")
+
+def _inherits_two(names: list[str], ups: list[Effective]) -> ConfigError:
+    taken = ", ".join(f"{up.owner!r} gives {up.rule}" for up in ups)
+    return ConfigError(
+        f"the module reachable as {', '.join(map(repr, names))} has no rule of its own and its "
+        f"parents give it different rules ({taken}). One module object has one rule: give it "
+        f"one by any of its names (e.g. '{names[0] or '(root)'}=<rule>') or by its class, or "
+        "build separate modules (copy.deepcopy) to rule each place on its own"
+    )
+
+
+def rule_of(root: nn.Module, policy: Policy, module: nn.Module) -> Rule | None:
+    """The rule ``policy`` gives ``module`` of the model ``root`` as its forward would (its own,
+    by any of its names or its class, else its parents'), without running anything: what the
+    watch asks. Nothing is kept.
+
+    Example:
+        >>> lin = nn.Linear(2, 2)
+        >>> rule_of(nn.Sequential(lin, nn.ReLU(), lin), Policy("2=fp32"), lin)
+        Rule('fp32')
+
+    Raises:
+        ConfigError: the module's names, or its parents, give it different rules.
+
+    Host sync: none.
+    """
+    eff = Plan(root, policy).rules.get(id(module))
+    return None if eff is None else eff.rule
+
+
+class Tree:
+    """The qualified names of one root's modules (``names``: torch's first name of each, with
+    the keys that lead to it; ``every``: all names, several for a module reachable by several
+    paths), and the plans of the policies it ran under (a few, newest last). Host sync: none."""
+
+    __slots__ = ("every", "names", "plans")
 
     def __init__(self, root: nn.Module) -> None:
-        self.names: dict[int, tuple[str, tuple[str, ...]]] = {
-            id(m): (n, tuple(n.split(".")) if n else ())
-            for n, m in root.named_modules(remove_duplicate=False)
-        }
+        self.names: dict[int, tuple[str, tuple[str, ...]]] = {}
+        every: list[str] = []
+        for n, m in root.named_modules(remove_duplicate=False):
+            self.names.setdefault(id(m), (n, tuple(n.split(".")) if n else ()))
+            every.append(n)
+        self.every: tuple[str, ...] = tuple(every)
         self.plans: dict[Policy, Plan] = {}
 
     def plan(self, root: nn.Module, policy: Policy) -> Plan:

@@ -152,17 +152,19 @@ def _mm(plan: Plan, a: Side, b: Side, fast_accum: bool = False, count: bool = Tr
 
 
 def _hp_mm(
-    plan: Plan, a: torch.Tensor, b: torch.Tensor, dtype: torch.dtype | None = None
+    plan: Plan,
+    a: torch.Tensor,
+    b: torch.Tensor,
+    dtype: torch.dtype | None = None,
+    bias: torch.Tensor | None = None,
 ) -> torch.Tensor:
-    """A high-precision matmul on the operands rounded to ``dtype`` (None: the region's, in
-    which the activations arrive), the result in the region's dtype: native where fp8 is
-    native; emulated, in fp32 then rounded (the values of a 16-bit matmul with fp32
-    accumulation; whether that is faster than a bf16 matmul depends on the CPU's bf16
-    instructions: docs/performance.md)."""
-    a, b = a.to(dtype or plan.hp), b.to(dtype or plan.hp)
-    if plan.scaled_mm:
-        return a.mm(b).to(plan.hp)
-    return a.float().mm(b.float()).to(plan.hp)
+    """A high-precision matmul as autocast runs it: the operands (and the output matmul's
+    bias, fused as ``F.linear`` fuses it) rounded to ``dtype`` (None: the region's, in which
+    the activations arrive), torch's matmul in that dtype, the result in the region's dtype."""
+    dtype = dtype or plan.hp
+    a, b = a.to(dtype), b.to(dtype)
+    out = a.mm(b) if bias is None else torch.addmm(bias.to(dtype), a, b)
+    return out.to(plan.hp)
 
 
 def _shared(first: Cast | None, second: Cast | None) -> bool:
@@ -194,13 +196,19 @@ class Fp8Linear(torch.autograd.Function):
     """``x2d @ weight.T`` on cast operands, and its gradients on cast operands, per the plan."""
 
     @staticmethod
-    def forward(ctx: Any, x2d: torch.Tensor, weight: torch.Tensor, plan: Plan) -> torch.Tensor:
+    def forward(
+        ctx: Any,
+        x2d: torch.Tensor,
+        weight: torch.Tensor,
+        plan: Plan,
+        bias: torch.Tensor | None = None,  # given only to a high-precision output matmul
+    ) -> torch.Tensor:
         r = plan.recipe
         # A forward run inside backward is a checkpoint recomputation: its casts were recorded.
         record = plan.slot is not None and not torch_compat.running_backward()
         qx = qw = None
         if r.x is None or r.w is None:  # the output matmul in high precision
-            out = _hp_mm(plan, x2d, weight.t(), r.high[0])
+            out = _hp_mm(plan, x2d, weight.t(), r.high[0], bias)
         else:
             qx = _cast(plan, x2d, r.x, 1, _INPUT, True, record)
             qw = gathered(weight, 1) or _cast(plan, weight, r.w, 1, _WEIGHT, True, record)
@@ -214,7 +222,7 @@ class Fp8Linear(torch.autograd.Function):
             *(keep_w[:3] if need_x else (None,) * 3),
             weight,  # a reference only: lets a second differentiation find the weight
         )
-        ctx.plan, ctx.wdtype = plan, weight.dtype
+        ctx.plan, ctx.wdtype, ctx.bias = plan, weight.dtype, bias is not None
         return out
 
     @staticmethod
@@ -231,7 +239,8 @@ class Fp8Linear(torch.autograd.Function):
             weight = saved[6]
             dx = None if dx is None else _RefuseTwice.apply(dx, ctx.plan, dy, weight)
             dw = None if dw is None else _RefuseTwice.apply(dw, ctx.plan, dy, weight)
-        return dx, dw, None
+        db = dy.sum(0) if ctx.bias and ctx.needs_input_grad[3] else None  # as addmm's
+        return dx, dw, None, db
 
 
 def _backward(
@@ -321,12 +330,18 @@ def fp8_linear(
     """
     with torch.autocast(x.device.type, enabled=False):
         lead = x.shape[:-1]
-        x2d = x.to(plan.hp).reshape(-1, x.shape[-1])
+        xh = x.to(plan.hp)
+        x2d = xh.reshape(-1, x.shape[-1])
+        # a high-precision output matmul adds the bias as F.linear does: fused (addmm) for a
+        # 2-D or contiguous input, after the matmul otherwise
+        high = plan.recipe.x is None and (x.dim() == 2 or (x.dim() > 2 and xh.is_contiguous()))
+        fused = bias.to(plan.hp) if bias is not None and high else None
         if x2d.shape[0] == 0:  # nothing to scale: the plain matmul of no rows
             out = x2d.mm(weight.to(plan.hp).t())
+            fused = None
         else:
-            out = Fp8Linear.apply(x2d, weight, plan)
+            out = Fp8Linear.apply(x2d, weight, plan, fused)
         out = out.reshape(*lead, weight.shape[0])
-        if bias is not None:
+        if bias is not None and fused is None:
             out = out + bias.to(plan.hp)
     return out

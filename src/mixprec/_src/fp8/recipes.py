@@ -118,8 +118,8 @@ class Recipe:
         capability: the CUDA compute capabilities its hardware matmuls run on:
             ``(lowest, above the highest)``.
         high: per matmul (:data:`MATMULS` order), the dtype the operands of a matmul whose
-            casts are ``None`` are rounded to before an fp32-accumulated matmul; None: the
-            region's dtype, as they arrive.
+            casts are ``None`` are rounded to, for torch's matmul in that dtype (autocast's);
+            None: the region's dtype, as they arrive.
         parts: a recipe put together per matmul (:func:`compose`): per matmul, the recipe its
             casts come from or the :data:`HIGH` word it runs in; empty for the registry's.
 
@@ -253,7 +253,8 @@ ALIASES = {"rowwise_with_gw_hp": "rowwise_gw_hp"}  # torchao's spelling
 #: weight gradient (TransformerEngine's fprop, dgrad, wgrad).
 MATMULS = ("fprop", "dgrad", "wgrad")
 #: The high-precision formats one matmul of a recipe put together per matmul may run in: its
-#: operands rounded to the dtype, an fp32-accumulated matmul, the result in the region's dtype.
+#: operands rounded to the dtype, torch's matmul in it (autocast's), the result in the region's
+#: dtype.
 HIGH = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
 
 
