@@ -31,6 +31,7 @@ the dispatcher registers but the table does not know are reported as ``"unknown"
 from __future__ import annotations
 
 import functools
+import threading
 import warnings
 from collections.abc import Callable
 from typing import Any, TypeVar
@@ -322,8 +323,16 @@ def unmark_policy_region(saved: bool) -> None:
 # the region. Rules that turn autocast off in a subtree (fp32, keep, op rules) then get a backward
 # that casts their fp32 gradients to the low dtype, which eager code, whose backward runs after the
 # region, never does. While Dynamo traces a policy region the setting is "off" (eager's meaning),
-# restored when the outermost region exits.
-_BACKWARD_SAVED: list[Any] = []
+# restored when the last thread that turned it off leaves its outermost region (the setting is
+# process-wide, so who turned it off is per thread and the value to restore is shared).
+class _TurnedOff(threading.local):
+    def __init__(self) -> None:
+        self.value = False  # this thread turned the setting off and has not restored it
+
+
+_TURNED_OFF = _TurnedOff()
+_BACKWARD_LOCK = threading.Lock()
+_BACKWARD_SAVED: list[Any] = []  # [the setting before the first thread turned it off, threads]
 
 
 def backward_autocast_off_while_tracing() -> None:
@@ -335,24 +344,36 @@ def backward_autocast_off_while_tracing() -> None:
 
     Host sync: none.
     """
-    if not _BACKWARD_SAVED:
-        _BACKWARD_SAVED.append(backward_pass_autocast())
-        set_backward_pass_autocast("off")
+    if _TURNED_OFF.value:
+        return
+    with _BACKWARD_LOCK:
+        if not _BACKWARD_SAVED:
+            _BACKWARD_SAVED[:] = [backward_pass_autocast(), 0]
+            set_backward_pass_autocast("off")
+        _BACKWARD_SAVED[1] += 1
+    _TURNED_OFF.value = True
 
 
 mark_constant(backward_autocast_off_while_tracing)
 
 
 def restore_backward_autocast() -> None:
-    """Undo :func:`backward_autocast_off_while_tracing` (at the outermost region exit).
+    """Undo this thread's :func:`backward_autocast_off_while_tracing` (at its outermost region
+    exit); the last thread to undo it restores the setting.
 
     Example:
         >>> restore_backward_autocast()
 
     Host sync: none.
     """
-    if _BACKWARD_SAVED:
-        set_backward_pass_autocast(_BACKWARD_SAVED.pop())
+    if not _TURNED_OFF.value:
+        return
+    _TURNED_OFF.value = False
+    with _BACKWARD_LOCK:
+        _BACKWARD_SAVED[1] -= 1
+        if _BACKWARD_SAVED[1] == 0:
+            set_backward_pass_autocast(_BACKWARD_SAVED[0])
+            _BACKWARD_SAVED.clear()
 
 
 def never_compiled_alone(fn: _F) -> _F:
