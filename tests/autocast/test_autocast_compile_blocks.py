@@ -30,13 +30,25 @@ BF16 = torch.bfloat16
 N = 32
 
 
+class Small(nn.Module):
+    """A block with one matmul: fp8 emulation traces slowly, one Linear per block is enough."""
+
+    def __init__(self, d: int) -> None:
+        super().__init__()
+        self.norm = nn.LayerNorm(d)
+        self.lin = nn.Linear(d, d)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return x + self.lin(self.norm(x))
+
+
 class Stack(nn.Module):
     """torchtitan's shape: blocks in a ``ModuleDict`` named by their index, called in order."""
 
-    def __init__(self, n: int = N, d: int = 16) -> None:
+    def __init__(self, n: int = N, d: int = 16, block: type[nn.Module] = Block) -> None:
         super().__init__()
         torch.manual_seed(0)
-        self.layers = nn.ModuleDict({str(i): Block(d) for i in range(n)})
+        self.layers = nn.ModuleDict({str(i): block(d) for i in range(n)})
         self.head = nn.Linear(d, 4)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
@@ -72,7 +84,9 @@ def distinct_blocks(policy: str, model: Stack) -> int:
     seen = set()
     for key, block in model.layers.items():
         names = [f"layers.{key}" + (f".{n}" if n else "") for n, _ in block.named_modules()]
-        seen.add(frozenset((i, g) for i, n in enumerate(names) for g in globs if fnmatch.fnmatch(n, g)))
+        seen.add(
+            frozenset((i, g) for i, n in enumerate(names) for g in globs if fnmatch.fnmatch(n, g))
+        )
     return len(seen)
 
 
@@ -81,17 +95,18 @@ POLICIES = [
     "nn.Linear=fp32",
     "nn.LayerNorm=fp32, layers.1*=fp32",
     "nn.GELU=fp32, layers.[0-3].mlp=fp16, layers.2?.attn.proj=fp32",
-    "nn.Linear=fp8, layers.1*.mlp=bf16",
+    "nn.Linear=fp8, layers.1*.lin=bf16",
 ]
 
 
-CASES = [(p, "in place") for p in POLICIES] + [(p, "wrapped") for p in POLICIES[2:4]]
+CASES = [(p, "in place") for p in POLICIES] + [(POLICIES[2], "wrapped")]
 
 
 @pytest.mark.parametrize(("policy", "style"), CASES)
 def test_per_block_compile_makes_one_graph_per_distinct_rules(policy: str, style: str) -> None:
     torch._dynamo.reset()
-    eager, compiled = Stack(), Stack()
+    block = Small if "fp8" in policy else Block
+    eager, compiled = Stack(block=block), Stack(block=block)
     compile_blocks(compiled, style)
     named = policy  # the same rules, by the names the compiled model's modules have
     if style == "wrapped":  # a wrapped block's modules are named under its _orig_mod
@@ -115,10 +130,14 @@ def test_a_policy_switch_recompiles_per_distinct_rules_not_per_block() -> None:
     compile_blocks(compiled, "in place")
     x = torch.randn(2, 3, 16, requires_grad=True)
     first, second = "nn.LayerNorm=fp32", "nn.LayerNorm=fp32, layers.3=fp32"
+    made = []
     for policy in (first, second, first, second):
-        assert_bitwise(step(compiled, x, policy), step(eager, x, policy), policy)
-    # first: 1 graph; second: block 3's rules are new (the other blocks reuse first's graph)
-    assert torch._dynamo.utils.counters["stats"]["unique_graphs"] >= 2
+        want = step(eager, x, policy)
+        with graphs() as new:
+            assert_bitwise(step(compiled, x, policy), want, policy)
+        made.append(new["graphs"])
+    # second: only block 3's rules are new (the other 31 blocks reuse first's graph)
+    assert made == [1, 1, 0, 0]
 
 
 # ------------------------------------------------------------------ torchtitan's llama3
@@ -154,15 +173,18 @@ def llama3(layers: int, policy: str) -> nn.Module:
     return model
 
 
-@pytest.mark.parametrize("policy", ["nn.Linear=fp8:rowwise, lm_head=bf16", "nn.RMSNorm=fp32"])
+@pytest.mark.parametrize(
+    "policy",  # fp8 on one Linear of each block: fp8 emulation traces slowly
+    ["layers.*.feed_forward.w2=fp8:rowwise, lm_head=bf16", "nn.RMSNorm=fp32, lm_head=bf16"],
+)
 def test_torchtitan_llama3_compiled_per_block_under_the_converter(policy: str) -> None:
     """More blocks than the recompile limit, compiled as torchtitan's apply_compile does: one
     graph for all of them, the losses and gradients bitwise the eager model's."""
     torch._dynamo.reset()
-    eager, compiled = llama3(10, policy), llama3(10, policy)
+    eager, compiled = llama3(9, policy), llama3(9, policy)
     for block in compiled.layers.values():  # torchtitan.distributed.compile.apply_compile
         block.compile(backend="aot_eager", fullgraph=True)
-    tokens = torch.randint(0, 2048, (2, 17), generator=torch.Generator().manual_seed(0))
+    tokens = torch.randint(0, 2048, (1, 9), generator=torch.Generator().manual_seed(0))
 
     def train_step(model: nn.Module) -> list[torch.Tensor]:
         model.zero_grad(set_to_none=True)

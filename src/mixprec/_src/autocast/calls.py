@@ -289,7 +289,7 @@ class Decision(NamedTuple):
 
 
 def decide(
-    compute: str,
+    compute: str | torch.dtype,
     family: bool,
     running: bool,
     island: bool,

@@ -1,26 +1,26 @@
 """Module rules: two process-wide module hooks apply each module's rule to the forward running it.
 
-While a region with module rules or a report is active, a forward pre-hook and an always-called
-forward hook (torch's public ``register_module_forward_pre_hook`` and
-``register_module_forward_hook``, registered at the first entry, removed at the last exit) run
-around every module call. The
-pre-hook names the module (:mod:`.tree`), looks up its :class:`~.tree.Effective` rule under the
-region's policy, applies it and pushes a :class:`Call` on the thread's stack; the post-hook pops it
-and undoes exactly that. Nothing is stored on the user's modules.
+While a region with module rules or a report runs (in any thread), or a checkpoint recomputes
+such a region's forward, a forward pre-hook and an always-called forward hook run around every
+module call: added to torch at the first of them, removed at the last
+(:func:`acquire_global_hooks`, :func:`release_global_hooks`), so that outside regions torch runs
+as without mixprec. The pre-hook names the module (:mod:`.tree`), looks up its
+:class:`~.tree.Effective` rule under the region's policy, decides what it does
+(:func:`~.calls.decide`), applies it and pushes a :class:`Call` on the thread's stack; the
+post-hook pops it and undoes exactly that. Nothing is stored on the user's modules.
 
 **What a rule does.** ``fp32``/``keep``/dtype rules switch the *native* autocast state for the
 call; an fp8-family rule opens a :class:`~mixprec._src.fp8.hook.Scope` and keeps the thread's
 :class:`~mixprec._src.fp8.hook.Fp8Mode` entered, which serves the matmuls on the module's weights
 under the innermost call's scope. A rule inherited from an owner that is running is in force
 already (nothing to switch); one whose owner is not running (a container its parent iterates or
-indexes, a recomputed child) is applied at the child. Rules act only where native autocast is on
-(an ``fp32`` or ``keep`` module is a closed island); fp8-family rules run in a float32 region too.
+indexes, a recomputed child) is applied at the child.
 
 **Checkpoint recomputation** runs in backward, outside the region. The first module call inside a
 checkpoint's forward captures the forward's context (:class:`Snapshot`: the frame, the roots, the
 calls around the checkpoint, the stats, the tensors followed) into the checkpoint's recompute
-function (:mod:`.replay`), which replays it: the recompute runs under the forward's own rules,
-whatever ran in between, in any thread.
+function (:func:`~.ops.capture_for_recompute`), which replays it (:meth:`Snapshot.replaying`):
+the recompute runs under the forward's own rules, whatever ran in between, in any thread.
 
 **torch.compile.** Dynamo traces these hooks; while it does, they take the path of
 :mod:`.traced`. The thread's frames and calls live in :mod:`.calls`.

@@ -281,18 +281,18 @@ def native_decision(device: str, dtype: torch.dtype) -> tuple[bool, tuple[Any, .
 
 
 # ---------------------------------------------------------------- compiled graphs
-# Dynamo does not guard on an empty module hook dict (skip_nnmodule_hook_guards in its config):
-# a graph compiled before the first policy region, so without mixprec's hooks, would be reused
-# inside one, rules ignored. (Once the hooks are registered, Dynamo guards on the dict's keys.)
-# Dynamo does guard on whether autocast is enabled, for every device type, so a region with a
-# policy marks itself there, on a device type no machine runs anymore (Graphcore's IPU: enabling
-# its autocast changes nothing for tensors of other devices): graphs traced outside policy regions
-# and inside them never mix. Why a borrowed flag and not a supported guard (#32): the guards
-# Dynamo offers on state it does not read are its global-state guards (grad mode, autocast,
-# default dtype, the torch-function mode stack); a mode pushed for the whole region would make
-# every torch call of the region a Python call, and registering the hooks at import time would
-# put them on every module call of every user. Which policy a graph was traced for is guarded
-# where rules are looked up (by identity).
+# Dynamo does not guard on an empty module hook dict (skip_nnmodule_hook_guards in its config),
+# and mixprec's hooks are in torch only while a policy region runs: a graph compiled outside
+# policy regions, so without mixprec's hooks, would be reused inside one, rules ignored (and a
+# graph traced with the hooks outside). Dynamo does guard on whether autocast is enabled, for
+# every device type, so a region with a policy marks itself there, entered and left with the
+# region, on a device type no machine runs anymore (Graphcore's IPU: enabling its autocast
+# changes nothing for tensors of other devices): graphs traced outside policy regions and inside
+# them never mix. Why a borrowed flag and not a supported guard (#32): the guards Dynamo offers
+# on state it does not read are its global-state guards (grad mode, autocast, default dtype, the
+# torch-function mode stack); a mode pushed for the whole region would make every torch call of
+# the region a Python call. Which rules a graph was traced for is guarded where rules are looked
+# up (autocast/traced.py).
 _MARK_DEVICE = "ipu"
 
 

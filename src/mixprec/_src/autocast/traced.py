@@ -1,11 +1,14 @@
 """Module rules while Dynamo traces: the rule as plain values, native rules as traced regions.
 
 Dynamo inlines the module hooks (:mod:`.modules`) into the code it traces, where they take this
-path: the rule comes from :func:`compiled_rule`, which Dynamo runs eagerly at trace time
-(``assume_constant_result``) and guards on the identity of its arguments, the module and the
-region's policy (another policy recompiles or takes another cached graph); an ``fp32``/``keep`` or
-dtype rule enters a ``torch.autocast`` around each torch call of the module
-(:class:`TracedRegion`); an fp8-family rule opens its scope as in eager mode.
+path. The rule of a module under a module compiled by itself (per-block compile) is read from
+that module's eager call by the module's relative name (:func:`subtree_rules`), and Dynamo
+guards the rule's values: blocks with equal rules share one graph. Elsewhere it comes from
+:func:`compiled_rule`, which Dynamo runs eagerly at trace time (``assume_constant_result``) and
+guards on the identity of its arguments, the module and the region's policy. Either way the
+decision is :func:`~.calls.decide`'s: an ``fp32``/``keep`` or dtype rule enters a
+``torch.autocast`` around each torch call of the module (:class:`TracedRegion`), an fp8-family
+rule opens its scope as in eager mode.
 """
 
 from __future__ import annotations
@@ -157,16 +160,19 @@ def _anchored(module: nn.Module) -> tuple[str, bool, tuple[Any, ...] | None] | N
     at = len(calls) - 1
     while at >= 0 and not calls[at].eager:
         at -= 1
-    if at < 0 or calls[at].subtree is None:
+    if at < 0:
         return None
     anchor = calls[at]
+    subtree, top = anchor.subtree, anchor.module
+    if subtree is None or top is None:
+        return None
     path = None
-    for rel, mod in anchor.module.named_modules(remove_duplicate=False):
+    for rel, mod in top.named_modules(remove_duplicate=False):
         if mod is module:
             path = rel
     if path is None:
         return None
-    rule = anchor.subtree.get(path)
+    rule = subtree.get(path)
     if rule is None:
         return path, False, None
     owner = rule[0]
