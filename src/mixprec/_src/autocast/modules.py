@@ -188,10 +188,13 @@ def _global_pre(module: nn.Module, args: Any) -> Any:
     if is_wrapper(module):
         tls.compiled_next = torch_compat.submodules(module)["_orig_mod"]  # its forward compiles
         return None
+    compiled = tls.compiled_next is module or torch_compat.compiled_in_place(module)
+    tls.compiled_next = None
     found = locate(module, frame)
     if found is None:  # a slice of a container: transparent, its modules are named
         call = Call(module, tls.calls[-1].name if tls.calls else "", None, None)
         call.island = bool(tls.calls) and tls.calls[-1].island
+        call.eager = True
         tls.calls.append(call)
         return None
     root, tree, name = found
@@ -206,12 +209,9 @@ def _global_pre(module: nn.Module, args: Any) -> Any:
         capture_for_recompute(lambda: Snapshot(frame))
     call, new_args = _open(module, name, eff, frame, root, args)
     call.grad, call.eager = grad, True
-    if policy is not None and (
-        tls.compiled_next is module or torch_compat.compiled_in_place(module)
-    ):
+    if compiled and policy is not None:  # its forward is traced: the rules under it, by path
         call.subtree = subtree_rules(root, tree.plan(root, policy), module, name)
         call.outer_running = eff is not None and owner_running(eff, name)
-    tls.compiled_next = None
     tls.calls.append(call)
     return new_args
 
