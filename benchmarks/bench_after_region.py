@@ -2,12 +2,13 @@
 
 A policy region with module rules adds two process-wide module hooks to torch; the last region to
 exit removes them, so that afterwards every forward in the process (of any model) costs what it
-cost before. Two processes run side by side, round by round, the order alternating; both import
-mixprec. Each round both run the same bf16 training step, ``after`` in a policy region and
-``before`` without any region, then time the same forward (a 49-module MLP, fp32, no region)
-twice; ``after`` times the second with mixprec's hooks kept in torch (what every release before
-#36 left there). Both do the same work, and the paired per-round ratio against ``before``
-cancels load drift on a shared machine. Threads are pinned to 1 in each process.
+cost before. Three processes run side by side, round by round, the order rotating; all import
+mixprec. Each round all run the same bf16 training step, ``after`` in a policy region, ``before``
+and ``control`` without any region, then time the same forward (a 49-module MLP, fp32, no
+region) twice; ``after`` times the second with mixprec's hooks kept in torch (what every release
+before #36 left there). ``control`` does what ``before`` does: its ratio is the noise floor of
+comparing two processes. All do the same work, and the paired per-round ratios against
+``before`` cancel load drift on a shared machine. Threads are pinned to 1 in each process.
 
 Run: ``python benchmarks/bench_after_region.py [--rounds 60] [--iters 200]``.
 """
@@ -66,11 +67,11 @@ def worker(conn: Connection, role: str, iters: int) -> None:
     net, x = model(), torch.randn(8, 32)
     for _ in range(5):  # warm-up
         time_forwards(net, x, iters)
-    policy = None if role == "before" else POLICY
+    policy = POLICY if role == "after" else None
     while conn.recv():
         train_step(net, x, policy)  # the same step; only "after" runs it in a policy region
         plain = time_forwards(net, x, iters)
-        if role == "before":  # the same work, torch untouched by mixprec
+        if role != "after":  # the same work, torch untouched by mixprec
             conn.send((plain, time_forwards(net, x, iters)))
             continue
         acquire_global_hooks()  # mixprec's hooks left in torch, as every release before #36
@@ -86,14 +87,15 @@ def main() -> None:
     args = parser.parse_args()
     ctx = mp.get_context("spawn")
     pipes, procs = {}, []
-    for role in ("before", "after"):
+    roles = ("before", "control", "after")
+    for role in roles:
         ours, theirs = ctx.Pipe()
         proc = ctx.Process(target=worker, args=(theirs, role, args.iters))
         proc.start()
         pipes[role], procs = ours, [*procs, proc]
-    rows: dict[str, list[float]] = {"before": [], "after": [], "kept": []}
+    rows: dict[str, list[float]] = {"before": [], "control": [], "after": [], "kept": []}
     for r in range(args.rounds):
-        order = ("before", "after") if r % 2 == 0 else ("after", "before")
+        order = roles[r % 3 :] + roles[: r % 3]  # each role first in turn
         for role in order:
             pipes[role].send(True)
             plain, kept = pipes[role].recv()
@@ -109,6 +111,7 @@ def main() -> None:
     base = rows["before"]
     labels = {
         "before": "before any policy region",
+        "control": "before, a second process (A/A control) / before",
         "after": "after a policy region / before",
         "kept": "with mixprec's hooks kept in torch (pre-#36) / before",
     }
