@@ -148,7 +148,7 @@ def subtree_rules(
         rules[rel] = (owner, rule.compute, rule.output, rule.recipe, eff.guarded,
                       rule.fp8_family, eff.source)  # fmt: skip
     while len(_SUBTREES) >= _SUBTREES_KEPT:
-        _SUBTREES.pop(next(iter(_SUBTREES)))
+        _SUBTREES.pop(next(iter(_SUBTREES)), None)
     _SUBTREES[key] = (plan, rules)
     return rules
 
