@@ -9,13 +9,14 @@ One :class:`Frame` per active region (its device, dtype, policy and what its fp8
 from __future__ import annotations
 
 import threading
-from typing import Any
+from typing import Any, NamedTuple
 
 import torch
 from torch import nn
 
 from mixprec._src import torch_compat
 from mixprec._src.autocast.policy import Policy
+from mixprec._src.autocast.rules import compute_dtype
 from mixprec._src.autocast.tree import Effective, Tree, at, find, has_tree, tree_of
 from mixprec._src.fp8 import hook as fp8_hook
 
@@ -91,12 +92,18 @@ class Call:
         holds_mode: this call entered the thread's fp8 mode.
         replayed: a call around a checkpoint, replayed in its recomputation (never closed).
         grad: grad mode was on when it started.
+        eager: pushed by the eager hook (not while Dynamo traced).
+        subtree: for an eager call of a module whose forward runs compiled, the rule of each
+            module under it by relative name (:func:`~.traced.subtree_rules`); else None.
+        outer_running: with ``subtree``, whether the owner of the module's rule, where it is
+            outside the module, is running.
 
     Host sync: none.
     """
 
     __slots__ = (
         "cast",
+        "eager",
         "grad",
         "holds_mode",
         "in_dtype",
@@ -104,11 +111,13 @@ class Call:
         "kind",
         "module",
         "name",
+        "outer_running",
         "output",
         "replayed",
         "saved",
         "scope",
         "source",
+        "subtree",
         "traced",
     )
 
@@ -116,6 +125,8 @@ class Call:
         self.module, self.name, self.output, self.source = module, name, output, source
         self.kind = type(module).__name__
         self.island = self.cast = self.holds_mode = self.replayed = False
+        self.eager = self.outer_running = False
+        self.subtree: dict[str, tuple[Any, ...]] | None = None
         self.grad = True  # grad mode was on at the call (a checkpoint inside may record)
         self.scope: fp8_hook.Scope | None = None
         self.saved: Saved | None = None
@@ -145,6 +156,7 @@ class _Tls(threading.local):
         self.current: tuple[nn.Module, Tree] | None = None  # the root of the last lookup
         self.reporting = 0
         self.mode: fp8_hook.Fp8Mode | None = None  # entered while an fp8 scope is open
+        self.compiled_next: nn.Module | None = None  # torch.compile(module) wraps: it compiles
 
 
 TLS = _Tls()
@@ -249,6 +261,67 @@ def _entered(frame: Frame, root: nn.Module, tree: Tree, name: str) -> tuple[nn.M
 
 def owner_running(eff: Effective, name: str) -> bool:
     return eff.owner != name and any(c.name == eff.owner for c in TLS.calls)
+
+
+# ---------------------------------------------------------------- the rule decision
+class Decision(NamedTuple):
+    """What a module call does with its rule (:func:`decide`), applied by the eager hook as
+    native state switches and by the traced hook as traced regions.
+
+    Attributes:
+        scope: open an fp8 scope (an fp8-family rule that acts here).
+        cast: apply the rule's output cast at the end of the call (the input dtype is recorded).
+        island: the call is inside an ``fp32``/``keep`` island.
+        native: the native autocast state ``(enabled, dtype)`` the call switches to; None where
+            it switches nothing (fp8-family rules, rules in force already, a dtype in force).
+        fp32_inputs: cast the floating inputs to float32 (an ``fp32`` rule).
+
+    Host sync: none.
+    """
+
+    scope: bool
+    cast: bool
+    island: bool
+    native: tuple[bool, torch.dtype] | None
+    fp32_inputs: bool
+
+
+def decide(
+    compute: str | torch.dtype,
+    family: bool,
+    running: bool,
+    island: bool,
+    frame: Frame,
+    state: tuple[bool, torch.dtype],
+) -> Decision:
+    """The one rule decision of a module call, eager or traced: its rule's ``compute`` (an
+    fp8-family rule where ``family``), whether the rule's owner is ``running`` (the rule is in
+    force already), whether the call is inside an ``island``, the region's ``frame`` and the
+    native autocast ``state`` ``(enabled, dtype)`` around the call.
+
+    Rules act only where native autocast is on (an ``fp32``/``keep`` module is a closed island);
+    fp8-family rules run in a float32 region too.
+
+    Example:
+        >>> frame = Frame("cpu", torch.bfloat16, True, None)
+        >>> decide("fp32", False, False, False, frame, (True, torch.bfloat16)).native
+        (False, torch.bfloat16)
+
+    Host sync: none.
+    """
+    enabled, low = state
+    if family:
+        scope = not island and frame.fp8_on and (enabled or not frame.enabled)
+        return Decision(scope, scope and not running, island, None, False)
+    if running or not frame.enabled or not enabled:
+        return Decision(
+            False, False, island or (running and compute in ("fp32", "keep")), None, False
+        )
+    if compute in ("fp32", "keep"):
+        return Decision(False, True, True, (False, low), compute == "fp32")
+    target = compute_dtype(compute, frame.dtype)
+    native = None if target is None or target == low else (True, target)
+    return Decision(False, True, island, native, False)
 
 
 def region_policy() -> tuple[bool, Policy | None]:

@@ -33,28 +33,75 @@ class _FwdState(NamedTuple):
     dtype: torch.dtype
 
 
+class _Calls:
+    """One thread's recorded ``setup_context``-style calls."""
+
+    __slots__ = ("items", "thread")
+
+    def __init__(self) -> None:
+        self.items: list[tuple[list[torch.Tensor], _FwdState]] = []
+        self.thread = weakref.ref(threading.current_thread())
+
+    def alive(self) -> bool:
+        thread = self.thread()
+        return thread is not None and thread.is_alive()
+
+
+class _Pending(threading.local):
+    def __init__(self) -> None:
+        self.calls = _Calls()
+        with _LOCK:
+            _ALL.append(self.calls)
+
+
+# The calls of each thread stay that thread's while it runs (another thread's may not have their
+# grad_fn yet): each thread binds its own and those of threads that ended; a backward in another
+# thread (CUDA's device threads) looks for its ctx in every thread's calls.
 _LOCK = threading.Lock()
-PENDING: list[tuple[list[torch.Tensor], _FwdState]] = []
+_ALL: list[_Calls] = []
+PENDING = _Pending()
 _BOUND: weakref.WeakKeyDictionary[Any, _FwdState] = weakref.WeakKeyDictionary()
 
 
+def has_pending() -> bool:
+    """Whether this thread recorded calls not bound yet. Host sync: none."""
+    return bool(PENDING.calls.items)
+
+
 def bind_pending() -> None:
-    """Bind the forward state of ``setup_context``-style calls to their outputs' ``grad_fn`` and
-    drop the outputs (at the next custom_fwd/custom_bwd call, and when a region exits).
+    """Bind the forward state of this thread's ``setup_context``-style calls (and those of
+    threads that ended) to their outputs' ``grad_fn`` and drop the outputs (at the next
+    custom_fwd/custom_bwd call, and when a region exits).
 
     Example:
-        >>> bind_pending(); PENDING
-        []
+        >>> bind_pending(); has_pending()
+        False
 
     Host sync: none.
     """
+    own = PENDING.calls
+    if not own.items and len(_ALL) == 1:
+        return
     with _LOCK:
-        pending = list(PENDING)
-        PENDING.clear()
-    for outputs, state in pending:
+        ended = [c for c in _ALL if c is not own and not c.alive()]
+        _ALL[:] = [c for c in _ALL if c is own or c.alive()]
+        calls = [call for c in (own, *ended) for call in c.items]
+        own.items.clear()
+    for outputs, state in calls:
         for t in outputs:
             if t.grad_fn is not None:
                 _BOUND[t.grad_fn] = state
+
+
+def _bound_elsewhere(ctx: Any) -> _FwdState | None:
+    """The state of ``ctx`` recorded by another thread (a backward in a device thread)."""
+    with _LOCK:
+        for calls in _ALL:
+            for outputs, state in calls.items:
+                if any(t.grad_fn is ctx for t in outputs):
+                    _BOUND[ctx] = state
+                    return state
+    return None
 
 
 def _infer_device(values: Any) -> str:
@@ -165,7 +212,7 @@ def custom_fwd(
         if record:
             outs = [t for t in pytree_leaves(out) if isinstance(t, torch.Tensor)]
             with _LOCK:
-                PENDING.append((outs, state))
+                PENDING.calls.items.append((outs, state))
         return out
 
     return decorate_fwd
@@ -222,7 +269,7 @@ def _state_of(ctx: Any, device_type: str | torch.device | None) -> _FwdState:
     state = getattr(ctx, _ATTR, None)
     if state is None:
         bind_pending()
-        state = _BOUND.get(ctx)
+        state = _BOUND.get(ctx) or _bound_elsewhere(ctx)
     torch_state = torch_custom_fwd_state(ctx)
     if state is None and torch_state is not None and device_type is not None:
         state = _FwdState(resolve_device_type(device_type), *torch_state)

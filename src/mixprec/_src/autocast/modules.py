@@ -1,26 +1,26 @@
 """Module rules: two process-wide module hooks apply each module's rule to the forward running it.
 
-While a region with module rules or a report is active, a forward pre-hook and an always-called
-forward hook (torch's public ``register_module_forward_pre_hook`` and
-``register_module_forward_hook``, registered at the first entry, removed at the last exit) run
-around every module call. The
-pre-hook names the module (:mod:`.tree`), looks up its :class:`~.tree.Effective` rule under the
-region's policy, applies it and pushes a :class:`Call` on the thread's stack; the post-hook pops it
-and undoes exactly that. Nothing is stored on the user's modules.
+While a region with module rules or a report runs (in any thread), or a checkpoint recomputes
+such a region's forward, a forward pre-hook and an always-called forward hook run around every
+module call: added to torch at the first of them, removed at the last
+(:func:`acquire_global_hooks`, :func:`release_global_hooks`), so that outside regions torch runs
+as without mixprec. The pre-hook names the module (:mod:`.tree`), looks up its
+:class:`~.tree.Effective` rule under the region's policy, decides what it does
+(:func:`~.calls.decide`), applies it and pushes a :class:`Call` on the thread's stack; the
+post-hook pops it and undoes exactly that. Nothing is stored on the user's modules.
 
 **What a rule does.** ``fp32``/``keep``/dtype rules switch the *native* autocast state for the
 call; an fp8-family rule opens a :class:`~mixprec._src.fp8.hook.Scope` and keeps the thread's
 :class:`~mixprec._src.fp8.hook.Fp8Mode` entered, which serves the matmuls on the module's weights
 under the innermost call's scope. A rule inherited from an owner that is running is in force
 already (nothing to switch); one whose owner is not running (a container its parent iterates or
-indexes, a recomputed child) is applied at the child. Rules act only where native autocast is on
-(an ``fp32`` or ``keep`` module is a closed island); fp8-family rules run in a float32 region too.
+indexes, a recomputed child) is applied at the child.
 
 **Checkpoint recomputation** runs in backward, outside the region. The first module call inside a
 checkpoint's forward captures the forward's context (:class:`Snapshot`: the frame, the roots, the
 calls around the checkpoint, the stats, the tensors followed) into the checkpoint's recompute
-function (:mod:`.replay`), which replays it: the recompute runs under the forward's own rules,
-whatever ran in between, in any thread.
+function (:func:`~.ops.capture_for_recompute`), which replays it (:meth:`Snapshot.replaying`):
+the recompute runs under the forward's own rules, whatever ran in between, in any thread.
 
 **torch.compile.** Dynamo traces these hooks; while it does, they take the path of
 :mod:`.traced`. The thread's frames and calls live in :mod:`.calls`.
@@ -37,8 +37,8 @@ from typing import Any
 import torch
 from torch import nn
 from torch.fx import GraphModule
-from torch.nn.modules import module as nn_module
 
+from mixprec._src import torch_compat
 from mixprec._src.autocast.calls import (
     TLS,
     Call,
@@ -46,6 +46,7 @@ from mixprec._src.autocast.calls import (
     Saved,
     current_module_name,
     current_scope,
+    decide,
     forget_roots,
     is_wrapper,
     locate,
@@ -56,12 +57,12 @@ from mixprec._src.autocast.casting import cast_tree, cast_value, first_floating_
 from mixprec._src.autocast.native import never_compiled_alone
 from mixprec._src.autocast.ops import capture_for_recompute
 from mixprec._src.autocast.rules import output_dtype
-from mixprec._src.autocast.traced import traced_pre
+from mixprec._src.autocast.traced import subtree_rules, traced_pre
 from mixprec._src.autocast.tree import Effective
 from mixprec._src.fp8 import hook as fp8_hook
 from mixprec._src.fp8.recipes import get_recipe
 from mixprec._src.fp8.stats import ACTIVE
-from mixprec._src.torch_compat import disable_dynamo
+from mixprec._src.torch_compat import GlobalModuleHooks, disable_dynamo
 from mixprec.errors import ConfigError
 
 __all__ = [
@@ -69,11 +70,12 @@ __all__ = [
     "Call",
     "Frame",
     "Snapshot",
+    "acquire_global_hooks",
     "current_module_name",
     "detach_hooks",
-    "ensure_global_hooks",
     "forget_roots",
     "names_run",
+    "release_global_hooks",
 ]
 
 
@@ -81,35 +83,32 @@ __all__ = [
 def _open(
     module: nn.Module, name: str, eff: Effective | None, frame: Frame, root: object, args: Any
 ) -> tuple[Call, Any]:
-    """The call of ``module`` with its rule applied; the inputs when the rule cast them."""
+    """The call of ``module`` with its rule applied (:func:`~.calls.decide`, as native state
+    switches); the inputs when the rule cast them."""
     calls = TLS.calls
     call = Call(module, name, None if eff is None else eff.rule.output, eff and eff.source)
     call.island = bool(calls) and calls[-1].island
     if eff is None or not frame.fp8_on:
         return call, None
     rule, dev = eff.rule, frame.device_type
-    running = owner_running(eff, name)
-    if rule.fp8_family:
-        native_on = torch.is_autocast_enabled(dev) or not frame.enabled
-        if not call.island and frame.fp8_on and native_on:
-            _open_scope(call, module, eff, frame, root)
-            call.cast = not running
-            call.in_dtype = first_floating_dtype(args, {})
+    state = (torch.is_autocast_enabled(dev), torch.get_autocast_dtype(dev))
+    found = decide(
+        rule.compute, rule.fp8_family, owner_running(eff, name), call.island, frame, state
+    )
+    call.island, call.cast = found.island, found.cast
+    if found.scope or found.cast:
+        call.in_dtype = first_floating_dtype(args, {})
+    if found.scope:
+        _open_scope(call, module, eff, frame, root)
+    if not found.cast or rule.fp8_family:
         return call, None
-    if running or not frame.enabled or not torch.is_autocast_enabled(dev):
-        call.island = call.island or (running and rule.compute in ("fp32", "keep"))
-        return call, None  # in force already, or inside an island
-    call.cast, call.in_dtype = True, first_floating_dtype(args, {})
     call.saved = Saved(dev)
-    if rule.compute in ("fp32", "keep"):
-        call.island = True
+    if found.native is not None and not found.native[0]:
         torch.set_autocast_enabled(dev, False)
-        return call, cast_tree(args, {}, dev, torch.float32)[0] if rule.compute == "fp32" else None
-    target = rule.compute_dtype(frame.dtype)
-    if target is not None and target != call.saved.dtype:
-        torch.set_autocast_dtype(dev, target)
+    elif found.native is not None:
+        torch.set_autocast_dtype(dev, found.native[1])
         torch.set_autocast_cache_enabled(False)  # the cast cache is not keyed by dtype
-    return call, None
+    return call, cast_tree(args, {}, dev, torch.float32)[0] if found.fp32_inputs else None
 
 
 def _open_scope(call: Call, module: nn.Module, eff: Effective, frame: Frame, root: object) -> None:
@@ -187,11 +186,15 @@ def _global_pre(module: nn.Module, args: Any) -> Any:
     if torch.compiler.is_compiling():
         return None if policy is None else traced_pre(module, policy, frame, args)
     if is_wrapper(module):
+        tls.compiled_next = torch_compat.submodules(module)["_orig_mod"]  # its forward compiles
         return None
+    compiled = tls.compiled_next is module or torch_compat.compiled_in_place(module)
+    tls.compiled_next = None
     found = locate(module, frame)
     if found is None:  # a slice of a container: transparent, its modules are named
         call = Call(module, tls.calls[-1].name if tls.calls else "", None, None)
         call.island = bool(tls.calls) and tls.calls[-1].island
+        call.eager = True
         tls.calls.append(call)
         return None
     root, tree, name = found
@@ -205,7 +208,10 @@ def _global_pre(module: nn.Module, args: Any) -> Any:
         # (under a call that began without grad, any checkpoint here began before it: captured)
         capture_for_recompute(lambda: Snapshot(frame))
     call, new_args = _open(module, name, eff, frame, root, args)
-    call.grad = grad
+    call.grad, call.eager = grad, True
+    if compiled and policy is not None:  # its forward is traced: the rules under it, by path
+        call.subtree = subtree_rules(root, tree.plan(root, policy), module, name)
+        call.outer_running = eff is not None and owner_running(eff, name)
     tls.calls.append(call)
     return new_args
 
@@ -254,42 +260,58 @@ class Snapshot:
         tls.frames, tls.calls, tls.roots = [self.frame], list(self.calls), list(self.roots)
         tls.current, tls.mode = None, None
         ACTIVE.stack = [*saved[5], *self.stats]
-        ensure_global_hooks()
-        if self.followed is not None:  # the calls around the checkpoint serve their matmuls
-            tls.mode = fp8_hook.Fp8Mode(self.followed, current_scope, _capture_at_serve)
-            tls.mode.follow_aliases(args)
-            tls.mode.__enter__()
+        acquire_global_hooks()
         try:
+            if self.followed is not None:  # the calls around the checkpoint serve their matmuls
+                tls.mode = fp8_hook.Fp8Mode(self.followed, current_scope, _capture_at_serve)
+                tls.mode.follow_aliases(args)
+                tls.mode.__enter__()
             yield
         finally:
-            if self.followed is not None and tls.mode is not None:
-                tls.mode.__exit__(None, None, None)
-            tls.frames, tls.calls, tls.roots, tls.current, tls.mode, ACTIVE.stack = saved
+            try:
+                if self.followed is not None and tls.mode is not None:
+                    tls.mode.__exit__(None, None, None)
+            finally:
+                tls.frames, tls.calls, tls.roots, tls.current, tls.mode, ACTIVE.stack = saved
+                release_global_hooks()
 
 
 # ---------------------------------------------------------------- global registration
-# The two hooks are registered at the first region that needs them and stay registered (outside
-# a region they return at once): Dynamo guards on the keys of torch's hook dicts, so fresh handles
-# at each region would recompile every compiled model, and re-inserting old handles would mean
-# writing torch's private dicts.
+# The two hooks are in torch's global hook dicts only while some region (in any thread) or some
+# checkpoint recomputation needs them: added at the first acquire, removed at the last release,
+# so that outside regions every forward in the process runs as it would without mixprec and
+# torch.compile sees no global hook. They are re-added under the keys of their first
+# registration (GlobalModuleHooks says why).
 _LOCK = threading.Lock()
-_HANDLES: list[Any] = []
+_HOOKS = GlobalModuleHooks(_global_pre, _global_post)
+_USERS = [0]  # how many acquires are not released yet (all threads)
 
 
-def ensure_global_hooks() -> None:
-    """Register the process-wide hooks once (torch's public registration).
+def acquire_global_hooks() -> None:
+    """Add the process-wide hooks unless they are in already; pair with
+    :func:`release_global_hooks`.
 
     Example:
-        >>> ensure_global_hooks(); ensure_global_hooks()
+        >>> acquire_global_hooks(); release_global_hooks()
 
     Host sync: none.
     """
-    if _HANDLES:
-        return
     with _LOCK:
-        if not _HANDLES:
-            _HANDLES.append(nn_module.register_module_forward_pre_hook(_global_pre))
-            _HANDLES.append(nn_module.register_module_forward_hook(_global_post, always_call=True))
+        if _USERS[0] == 0:
+            _HOOKS.add()
+        _USERS[0] += 1
+
+
+def release_global_hooks() -> None:
+    """Undo one :func:`acquire_global_hooks`; the last one removes the hooks.
+
+    Host sync: none.
+    """
+    with _LOCK:
+        assert _USERS[0] > 0, "release_global_hooks without an acquire"
+        _USERS[0] -= 1
+        if _USERS[0] == 0:
+            _HOOKS.remove()
 
 
 def detach_hooks(module: nn.Module) -> int:

@@ -31,6 +31,7 @@ the dispatcher registers but the table does not know are reported as ``"unknown"
 from __future__ import annotations
 
 import functools
+import threading
 import warnings
 from collections.abc import Callable
 from typing import Any, TypeVar
@@ -280,18 +281,18 @@ def native_decision(device: str, dtype: torch.dtype) -> tuple[bool, tuple[Any, .
 
 
 # ---------------------------------------------------------------- compiled graphs
-# Dynamo does not guard on an empty module hook dict (skip_nnmodule_hook_guards in its config):
-# a graph compiled before the first policy region, so without mixprec's hooks, would be reused
-# inside one, rules ignored. (Once the hooks are registered, Dynamo guards on the dict's keys.)
-# Dynamo does guard on whether autocast is enabled, for every device type, so a region with a
-# policy marks itself there, on a device type no machine runs anymore (Graphcore's IPU: enabling
-# its autocast changes nothing for tensors of other devices): graphs traced outside policy regions
-# and inside them never mix. Why a borrowed flag and not a supported guard (#32): the guards
-# Dynamo offers on state it does not read are its global-state guards (grad mode, autocast,
-# default dtype, the torch-function mode stack); a mode pushed for the whole region would make
-# every torch call of the region a Python call, and registering the hooks at import time would
-# put them on every module call of every user. Which policy a graph was traced for is guarded
-# where rules are looked up (by identity).
+# Dynamo does not guard on an empty module hook dict (skip_nnmodule_hook_guards in its config),
+# and mixprec's hooks are in torch only while a policy region runs: a graph compiled outside
+# policy regions, so without mixprec's hooks, would be reused inside one, rules ignored (and a
+# graph traced with the hooks outside). Dynamo does guard on whether autocast is enabled, for
+# every device type, so a region with a policy marks itself there, entered and left with the
+# region, on a device type no machine runs anymore (Graphcore's IPU: enabling its autocast
+# changes nothing for tensors of other devices): graphs traced outside policy regions and inside
+# them never mix. Why a borrowed flag and not a supported guard (#32): the guards Dynamo offers
+# on state it does not read are its global-state guards (grad mode, autocast, default dtype, the
+# torch-function mode stack); a mode pushed for the whole region would make every torch call of
+# the region a Python call. Which rules a graph was traced for is guarded where rules are looked
+# up (autocast/traced.py).
 _MARK_DEVICE = "ipu"
 
 
@@ -322,8 +323,16 @@ def unmark_policy_region(saved: bool) -> None:
 # the region. Rules that turn autocast off in a subtree (fp32, keep, op rules) then get a backward
 # that casts their fp32 gradients to the low dtype, which eager code, whose backward runs after the
 # region, never does. While Dynamo traces a policy region the setting is "off" (eager's meaning),
-# restored when the outermost region exits.
-_BACKWARD_SAVED: list[Any] = []
+# restored when the last thread that turned it off leaves its outermost region (the setting is
+# process-wide, so who turned it off is per thread and the value to restore is shared).
+class _TurnedOff(threading.local):
+    def __init__(self) -> None:
+        self.value = False  # this thread turned the setting off and has not restored it
+
+
+_TURNED_OFF = _TurnedOff()
+_BACKWARD_LOCK = threading.Lock()
+_BACKWARD_SAVED: list[Any] = []  # [the setting before the first thread turned it off, threads]
 
 
 def backward_autocast_off_while_tracing() -> None:
@@ -335,24 +344,36 @@ def backward_autocast_off_while_tracing() -> None:
 
     Host sync: none.
     """
-    if not _BACKWARD_SAVED:
-        _BACKWARD_SAVED.append(backward_pass_autocast())
-        set_backward_pass_autocast("off")
+    if _TURNED_OFF.value:
+        return
+    with _BACKWARD_LOCK:
+        if not _BACKWARD_SAVED:
+            _BACKWARD_SAVED[:] = [backward_pass_autocast(), 0]
+            set_backward_pass_autocast("off")
+        _BACKWARD_SAVED[1] += 1
+    _TURNED_OFF.value = True
 
 
 mark_constant(backward_autocast_off_while_tracing)
 
 
 def restore_backward_autocast() -> None:
-    """Undo :func:`backward_autocast_off_while_tracing` (at the outermost region exit).
+    """Undo this thread's :func:`backward_autocast_off_while_tracing` (at its outermost region
+    exit); the last thread to undo it restores the setting.
 
     Example:
         >>> restore_backward_autocast()
 
     Host sync: none.
     """
-    if _BACKWARD_SAVED:
-        set_backward_pass_autocast(_BACKWARD_SAVED.pop())
+    if not _TURNED_OFF.value:
+        return
+    _TURNED_OFF.value = False
+    with _BACKWARD_LOCK:
+        _BACKWARD_SAVED[1] -= 1
+        if _BACKWARD_SAVED[1] == 0:
+            set_backward_pass_autocast(_BACKWARD_SAVED[0])
+            _BACKWARD_SAVED.clear()
 
 
 def never_compiled_alone(fn: _F) -> _F:

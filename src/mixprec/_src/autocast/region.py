@@ -17,14 +17,15 @@ from typing import Any, TypeVar
 import torch
 
 from mixprec._src.autocast import fp8
-from mixprec._src.autocast.custom import PENDING, bind_pending
+from mixprec._src.autocast.custom import bind_pending, has_pending
 from mixprec._src.autocast.modules import (
     TLS,
     Frame,
+    acquire_global_hooks,
     detach_hooks,
-    ensure_global_hooks,
     forget_roots,
     names_run,
+    release_global_hooks,
 )
 from mixprec._src.autocast.native import (
     cache_for,
@@ -81,12 +82,13 @@ class Entered:
     Host sync: none.
     """
 
-    __slots__ = ("frame", "hooks", "marked", "mode", "native", "recorder")
+    __slots__ = ("frame", "hooks", "marked", "mode", "native", "recorder", "reporting")
 
     def __init__(self, native: torch.autocast) -> None:
         self.native = native
         self.frame: Frame | None = None
-        self.hooks = False
+        self.hooks = False  # acquired the module hooks
+        self.reporting = False  # counted in the thread's reporting regions
         self.marked: bool | None = None  # what mark_policy_region saved
         self.mode: OpRuleMode | None = None
         self.recorder: Any = None  # set when the region records a report
@@ -114,19 +116,51 @@ def _enter_policy(
     tls.frames.append(frame)
     tls.current = None  # the first module of this frame records its root in it
     entered.frame = frame
-    if policy is not None:
-        entered.marked = mark_policy_region()
-    reporting = report is not None
-    if (policy is not None and policy.has_module_rules) or reporting:
-        ensure_global_hooks()
-        entered.hooks = True
-        tls.reporting += reporting
-    if policy is not None and policy.op_rules and enabled:
-        entered.mode = OpRuleMode(policy._op_table, device, key=policy)
-        entered.mode.__enter__()
-    if report is not None:
-        entered.recorder = report.record("forward")
-        entered.recorder.__enter__()
+    try:
+        if policy is not None:
+            entered.marked = mark_policy_region()
+        reporting = report is not None
+        if (policy is not None and policy.has_module_rules) or reporting:
+            acquire_global_hooks()
+            entered.hooks = True
+            tls.reporting += reporting
+            entered.reporting = reporting
+        if policy is not None and policy.op_rules and enabled:
+            mode = OpRuleMode(policy._op_table, device, key=policy)
+            mode.__enter__()
+            entered.mode = mode
+        if report is not None:
+            recorder = report.record("forward")
+            recorder.__enter__()
+            entered.recorder = recorder
+    except BaseException:
+        _leave(entered)
+        raise
+
+
+def _leave(entered: Entered) -> None:
+    """Undo what :func:`_enter_policy` did (all of it, or the part it did before it failed):
+    the recorder, the op mode, the hooks, the mark and the frame. Host sync: none."""
+    tls = TLS
+    frame = entered.frame
+    assert frame is not None
+    try:
+        if entered.recorder is not None:
+            entered.recorder.__exit__(None, None, None)
+        if entered.mode is not None:
+            entered.mode.__exit__(None, None, None)
+    finally:
+        tls.reporting -= entered.reporting
+        if entered.hooks:
+            release_global_hooks()
+        if entered.marked is not None:
+            unmark_policy_region(entered.marked)
+        del tls.frames[tls.frames.index(frame) :]
+        del tls.calls[frame.calls_len :]
+        tls.current = None
+        if not tls.frames:
+            forget_roots()
+            restore_backward_autocast()
 
 
 def _exit_policy(entered: Entered, own_policy: Policy | None, clean: bool) -> None:
@@ -139,26 +173,9 @@ def _exit_policy(entered: Entered, own_policy: Policy | None, clean: bool) -> No
 
     Host sync: none.
     """
-    tls = TLS
     frame = entered.frame
     assert frame is not None
-    reporting = entered.recorder is not None
-    try:
-        if entered.recorder is not None:
-            entered.recorder.__exit__(None, None, None)
-        if entered.mode is not None:
-            entered.mode.__exit__(None, None, None)
-    finally:
-        if entered.hooks:
-            tls.reporting -= reporting
-        if entered.marked is not None:
-            unmark_policy_region(entered.marked)
-        del tls.frames[tls.frames.index(frame) :]
-        del tls.calls[frame.calls_len :]
-        tls.current = None
-        if not tls.frames:
-            forget_roots()
-            restore_backward_autocast()
+    _leave(entered)
     policy = frame.policy
     strict = clean and policy is not None and policy is own_policy and policy.strict
     if strict and policy is not None and policy.name_rules and frame.roots:
@@ -341,7 +358,7 @@ class autocast:
                 f"{self!r} was exited without being entered (or more often than entered); "
                 "use it as `with mixprec.autocast(...):` or pair each __enter__ with one __exit__"
             )
-        if PENDING:  # custom_fwd outputs: bound to their grad_fn now, not kept
+        if has_pending():  # custom_fwd outputs: bound to their grad_fn now, not kept
             bind_pending()
         top = self._stack[-1]
         if type(top) is tuple:
