@@ -1,4 +1,4 @@
-"""How each recipe's weight travels in an FSDP2 all-gather: codes as bytes, scales once a step.
+"""How each recipe's weight travels in an FSDP2 all-gather: codes as bytes, scales of the moment.
 
 FSDP2 all-gathers every weight before the forward and, with ``reshard_after_forward=True``,
 again in backward. :func:`gather_low_precision` makes it gather each ruled Linear's weight as
@@ -7,13 +7,16 @@ its recipe's codes instead of the parameter dtype, through FSDP2's extension
 plain tensor: the optimizer, ``state_dict`` and distributed checkpoints see ordinary
 parameters).
 
-* **Scales.** Before a forward whose weights changed (an optimizer step over them since the
-  last one, seen by an optimizer step hook: foreach and fused optimizers update the sharded
-  parameters without bumping their version counters; or an in-place change that did bump them),
-  each rank computes the block maxima of the rows it holds, in the parameter dtype, and ONE
-  ``all_gather_into_tensor`` over the mesh exchanges them for every ruled weight at once; each
-  rank then combines them (a maximum: blocks that straddle shards, whole columns, the whole
-  tensor) into the scales of the whole weight. Gradient accumulation adds none.
+* **Scales.** At every gather of an FSDP2 group of ruled weights outside backward (however the
+  forward was entered: ``model(x)``, a method FSDP2's ``register_fsdp_forward_method`` wraps, a
+  module run alone), each rank computes the block maxima of the rows it holds, in the parameter
+  dtype, and ONE ``all_gather_into_tensor`` over the mesh exchanges them for the group's ruled
+  weights; each rank then combines them (a maximum: blocks that straddle shards, whole columns,
+  the whole tensor) into the scales of the whole weight. So the scales are those of the weights
+  as they are, whatever changed them in place since (any optimizer, ``torch._foreach`` ops,
+  ``copy_``, ``.data``, a checkpoint loaded into the shards: none of them is seen by a version
+  counter of the sharded parameters); a backward gather, and a forward recomputed in backward,
+  use their forward's.
 * **Codes.** Each rank casts its rows with those scales (elementwise, so the codes are the
   unsharded cast's, bit for bit) and FSDP gathers them as ``uint8`` tensors of exactly the padded
   shard's shape (gloo has no float8 type; an uneven shard is padded like FSDP's own): one byte a
@@ -24,19 +27,20 @@ parameters).
   (along ``out_features``) in backward, both at once where the weight stays unsharded from
   forward to backward (``reshard_after_forward=False``, FSDP's root) or is recomputed.
 
-The unsharded weight is a :class:`~.carrier.Gathered`, consumed by the recipe's matmul.
+The unsharded weight is a :class:`~.carrier.Gathered`: a cache of the cast, consumed by the
+recipe's matmul when its rule wants that cast; any other reader gets the weight's own values.
+Which Linears gather in which recipe is asked of the forward's resolver (the tree plan of
+:mod:`mixprec._src.autocast.tree`), so the gather and the forward never disagree on a rule.
 """
 
 from __future__ import annotations
 
-import weakref
 from collections.abc import Iterator
 from typing import TYPE_CHECKING, Any
 
 import torch
 import torch.distributed as dist
 from torch import nn
-from torch.optim.optimizer import register_optimizer_step_post_hook
 
 from mixprec._src import torch_compat
 from mixprec._src.fp8.carrier import Gathered, Payload, pack_e2m1, unpack_e2m1
@@ -69,7 +73,8 @@ def orientations(recipe: Recipe) -> tuple[tuple[Cast, int], ...]:
 
 
 class _Weight:
-    """One ruled, sharded weight: its geometry, the scales of the current step, the two hooks."""
+    """One ruled, sharded weight: its geometry, the scales of its group's last forward gather,
+    FSDP2's two hooks, and the way to its high-precision values."""
 
     def __init__(self, name: str, fsdp_param: Any, group: Any, recipe: Recipe, owner: Any):
         self.name, self.fsdp_param, self.group, self.recipe = name, fsdp_param, group, recipe
@@ -77,7 +82,7 @@ class _Weight:
         self.rank, self.world, self.pg = torch_compat.fsdp_shard_info(fsdp_param)
         shard = torch_compat.fsdp_padded_shard(fsdp_param)
         self.r_pad, self.cols = shard.shape
-        self.rows = int(fsdp_param.sharded_param.shape[0])
+        self.rows = int(torch_compat.fsdp_sharded_param(fsdp_param).shape[0])
         self.orients = orientations(recipe)
         self.blocks = [block_shape((self.rows, self.cols), c, d) for c, d in self.orients]
         # fp4 codes two a byte where the rows divide evenly and every copy is fp4: FSDP2 sizes
@@ -87,8 +92,8 @@ class _Weight:
         fp4 = all(cast.dtype == E2M1 for cast, _ in self.orients)
         self.packed = [even and fp4 for _ in self.orients]
         self.scales: list[tuple[torch.Tensor, torch.Tensor | None, torch.Tensor]] = []
-        self.version = -1
-        self.payload = Payload(name, tuple(c for c, _ in self.orients))
+        casts = tuple(c for c, _ in self.orients)
+        self.payload = Payload(name, casts, self.high, owner.count_recast)
         self.inner: dict[int, torch.Tensor] = {}  # NVFP4's unpacked codes, refilled in place
 
     # ------------------------------------------------------------------ geometry
@@ -111,6 +116,16 @@ class _Weight:
         shard = torch_compat.fsdp_padded_shard(self.fsdp_param)
         return shard.to(torch_compat.fsdp_param_dtype(self.fsdp_param))
 
+    def high(self) -> torch.Tensor:
+        """The whole weight in the parameter dtype, all-gathered from the shards: bit for bit
+        the weight FSDP2's own gather gives (what a reader other than the recipe's matmul
+        gets). One collective on the mesh's group, counted."""
+        shard = self.hp_shard().contiguous()
+        out = shard.new_empty(self.world * shard.numel())
+        _all_gather(out, shard.view(-1), group=self.pg)
+        self.owner.high_gathers += 1
+        return out.view(self.world * self.r_pad, self.cols)[: self.rows]
+
     # ------------------------------------------------------------------ scales
     def partials(self) -> list[torch.Tensor]:
         """Per orientation, the maxima of this rank's part of each block row it touches
@@ -121,7 +136,7 @@ class _Weight:
         for i, (cast, _) in enumerate(self.orients):
             br, bc = self.blocks[i]
             b0, b1 = self.touched(i, self.rank)
-            rowmax = x[: hi - lo].abs().reshape(hi - lo, -1, bc).amax(-1).float()
+            rowmax = x[: hi - lo].abs().reshape(hi - lo, self.cols // bc, bc).amax(-1).float()
             part = torch.zeros(self.slots(i), self.cols // bc, device=x.device)
             for b in range(b0, b1) if br > self.r_pad else ():  # few blocks, each larger
                 rows = rowmax[max(lo, b * br) - lo : min(hi, (b + 1) * br) - lo]
@@ -173,8 +188,7 @@ class _Weight:
     def pre_all_gather(
         self, mesh: Any, outer_size: Any, outer_stride: Any, module: Any, mp_policy: Any
     ) -> tuple[tuple[torch.Tensor, ...], tuple[int, ...]]:
-        if not self.scales:
-            self.owner.refresh()
+        self.owner.before_gather(self)
         carried = self.carried()
         inputs = tuple(self.codes(i) for i in carried)
         nbytes = sum(t.numel() for t in inputs)
@@ -193,11 +207,12 @@ class _Weight:
         *,
         out: torch.Tensor | None = None,
     ) -> tuple[torch.Tensor, list[torch.Tensor]] | None:
-        self.payload.copies = {}
+        copies = {}
         for raw, i in zip(outputs, carried, strict=True):
             codes = self._codes_of(i, raw[: self.rows])
             scale, tensor_scale, amax = self.scales[i]
-            self.payload.copies[i] = Quantized(codes, scale, tensor_scale, amax, self.blocks[i])
+            copies[i] = Quantized(codes, scale, tensor_scale, amax, self.blocks[i])
+        self.payload.refill(copies)
         if out is not None:
             return None
         device = outputs[0].device
@@ -220,11 +235,18 @@ class LowPrecisionGather:
 
     Attributes:
         names: the Linears whose weights gather in their recipe's format.
+        recipes: the recipe each of them gathers in (by name), as the forward's resolver rules
+            them under the policy given.
         recompute: both copies of a rowwise weight travel in every gather.
-        collectives: the scale collectives issued (at most one per optimizer step).
+        collectives: the scale collectives issued (one per FSDP2 group of ruled weights per
+            forward).
         scale_bytes: bytes this rank put into them.
         gathers: the weights' all-gathers (one per weight per gather).
         gather_bytes: bytes this rank put into them (each goes to ``world - 1`` ranks).
+        recasts: matmuls whose rule wanted another cast than the gathered one (a forward under
+            another policy): they cast the weight's own values instead.
+        high_gathers: all-gathers of a weight's high-precision values, for a reader other than
+            its rule's matmul (at most one per weight per gather).
 
     Host sync: none.
     """
@@ -232,77 +254,65 @@ class LowPrecisionGather:
     def __init__(self, model: nn.Module, recompute: bool) -> None:
         self.model, self.recompute = model, recompute
         self.weights: list[_Weight] = []
+        self.groups: dict[int, list[_Weight]] = {}  # by FSDP2 group, in its gather order
         #: Ruled Linears gathered in the parameter dtype: their recipe reads the weight in
         #: high precision in fprop or dgrad (a rule per matmul such as ``"bf16/fp8/fp8"``).
         self.high_precision: list[str] = []
         self.collectives = self.scale_bytes = self.gathers = self.gather_bytes = 0
-        self.stepped = False  # an optimizer stepped over a ruled weight since the last refresh
-
-    def watch_steps(self) -> None:
-        """Mark the scales stale after every optimizer step that holds a ruled weight (a global
-        step hook; those of collected handles are removed here, never while hooks run).
-
-        Host sync: none.
-        """
-        me = weakref.ref(self)
-
-        def after_step(optimizer: torch.optim.Optimizer, args: Any, kwargs: Any) -> None:
-            handle = me()
-            if handle is None or handle.stepped:
-                return
-            ids = {id(w.fsdp_param.sharded_param) for w in handle.weights}  # as FSDP2 holds them
-            if any(id(p) in ids for g in optimizer.param_groups for p in g["params"]):
-                handle.stepped = True
-
-        for ref, hook in [h for h in _STEP_HOOKS if h[0]() is None]:
-            hook.remove()
-            _STEP_HOOKS.remove((ref, hook))
-        _STEP_HOOKS.append((me, register_optimizer_step_post_hook(after_step)))
+        self.recasts = self.high_gathers = 0
 
     @property
     def names(self) -> list[str]:
         """The ruled Linears, in model order. Host sync: none."""
         return [w.name for w in self.weights]
 
+    @property
+    def recipes(self) -> dict[str, str]:
+        """The recipe each ruled Linear gathers in. Host sync: none."""
+        return {w.name: w.recipe.name for w in self.weights}
+
     def count_gather(self, nbytes: int) -> None:
         """Count one weight all-gather of ``nbytes`` from this rank. Host sync: none."""
         self.gathers += 1
         self.gather_bytes += nbytes
 
-    def refresh(self, force: bool = True) -> bool:
-        """Recompute every weight's scales with one collective (a forward runs it itself after
-        an optimizer step over the weights); with ``force=False``, only if they changed. Call it
-        on every rank after changing the weights some other way (``p.data`` writes, a copy
-        into the local shards): only in-place ops on the parameters themselves are seen.
+    def count_recast(self) -> None:
+        """Count one matmul that cast the weight's own values. Host sync: none."""
+        self.recasts += 1
+
+    def before_gather(self, weight: _Weight) -> None:
+        """Refresh the scales of ``weight``'s group at the first of its weights in a gather
+        outside backward (a backward gather and a recomputed forward use the forward's).
 
         Host sync: none (the collective is queued on the mesh's group).
         """
-        versions = [torch_compat.version_counter(w.fsdp_param.sharded_param) for w in self.weights]
-        same = all(v == w.version for v, w in zip(versions, self.weights, strict=True))
-        if not force and same and not self.stepped:
-            return False
-        self.stepped = False
-        parts = [w.partials() for w in self.weights]
+        group = self.groups[id(weight.group)]
+        if weight is group[0] and (not torch_compat.running_backward() or not weight.scales):
+            self.refresh(group)
+
+    def refresh(self, weights: list[_Weight]) -> None:
+        """Recompute the scales of ``weights`` from the shards as they are, with one collective
+        (each rank calls it at the same gather).
+
+        Host sync: none (the collective is queued on the mesh's group).
+        """
+        parts = [w.partials() for w in weights]
         flat, layout = _pack(parts)
-        world = self.weights[0].world
+        world = weights[0].world
         everyone = flat.new_empty(world * flat.numel())
-        _all_gather(everyone, flat, group=self.weights[0].pg)
+        _all_gather(everyone, flat, group=weights[0].pg)
         self.collectives += 1
         self.scale_bytes += flat.numel()
         ranks = [_unpack(row, layout, parts) for row in everyone.view(world, -1)]
-        for j, (w, v) in enumerate(zip(self.weights, versions, strict=True)):
+        for j, w in enumerate(weights):
             w.combine([r[j] for r in ranks])
-            w.version = v
-        return True
 
     def __repr__(self) -> str:
         return (
             f"LowPrecisionGather({len(self.weights)} weights, collectives={self.collectives}, "
-            f"gather_bytes={self.gather_bytes}, scale_bytes={self.scale_bytes})"
+            f"gather_bytes={self.gather_bytes}, scale_bytes={self.scale_bytes}, "
+            f"recasts={self.recasts}, high_gathers={self.high_gathers})"
         )
-
-
-_STEP_HOOKS: list[tuple[weakref.ref[LowPrecisionGather], Any]] = []
 
 
 def _all_gather(out: torch.Tensor, inp: torch.Tensor, group: Any) -> None:
@@ -340,30 +350,35 @@ def _unpack(
 
 
 def _ruled_linears(model: nn.Module, policy: Policy) -> Iterator[tuple[str, nn.Linear, str]]:
-    """``(name, Linear, recipe)`` of every Linear whose nearest rule is of the fp8 family."""
-    modules = dict(model.named_modules())
-    for name, module in modules.items():
-        if not isinstance(module, nn.Linear):
+    """``(name, Linear, recipe)`` of every Linear the forward's resolver gives an fp8-family
+    rule under ``policy`` with ``model`` at the top of the region (its tree plan: one answer per
+    module, however many names it has)."""
+    from mixprec._src.autocast.tree import tree_of
+
+    tree = tree_of(model)
+    rules = tree.plan(model, policy).rules
+    for module in model.modules():
+        found = rules.get(id(module))
+        if not isinstance(module, nn.Linear) or found is None:
             continue
-        parts = name.split(".") if name else []
-        for depth in range(len(parts), -1, -1):
-            qual = ".".join(parts[:depth])
-            rule = policy.module_rule(modules[qual], qual)
-            if rule is not None:
-                if rule.fp8_family and rule.recipe is not None:
-                    yield name, module, rule.recipe
-                break
+        if found.rule.fp8_family and found.rule.recipe is not None:
+            yield tree.names[id(module)][0], module, found.rule.recipe
 
 
 def gather_low_precision(
     model: nn.Module, policy: Policy, *, recompute: bool = False
 ) -> LowPrecisionGather:
     """Make FSDP2 all-gather each Linear that ``policy`` runs in a low-precision recipe as its
-    recipe's codes (scales exchanged once per optimizer step), bit for bit the run without it.
+    recipe's codes (scales exchanged at each forward's gather), bit for bit the run without it.
 
     Call it once, after ``fully_shard`` and before the first forward; run the forwards inside
     ``mixprec.autocast(..., policy=policy)`` as without it. The parameters stay plain (sharded)
-    tensors: the optimizer, ``state_dict`` and ``torch.distributed.checkpoint`` are unchanged.
+    tensors: the optimizer, ``state_dict`` and ``torch.distributed.checkpoint`` are unchanged,
+    and changing them in place any way needs nothing more. The gathered codes are a cache: a
+    forward under another policy (a ``Schedule``'s later phase) casts the weight itself where
+    its rule wants another cast, and any other reader of the weight (a merge, a tied
+    embedding, ``x @ w.t()``) gets the weight's own values, all-gathered for it (both counted
+    on the handle).
 
     Args:
         model: the root module ``fully_shard`` was applied to.
@@ -401,19 +416,30 @@ def gather_low_precision(
         raise ConfigError(
             f"no Linear of the model is ruled by a low-precision recipe in {policy}{why}"
         )
-    for module in model.modules():
-        group = torch_compat.fsdp_param_group(module) if isinstance(module, FSDPModule) else None
-        for fsdp_param in group.fsdp_params if group is not None else ():
-            owner, attr = torch_compat.fsdp_param_owner(fsdp_param)
-            if attr == "weight" and id(owner) in ruled:
-                name, recipe = ruled.pop(id(owner))
-                _check(name, fsdp_param, recipe)
-                handle.weights.append(_Weight(name, fsdp_param, group, recipe, handle))
+    _collect(handle, ruled)
     if ruled:
         names = sorted(name for name, _ in ruled.values())
         raise ConfigError(f"ruled Linears not sharded by fully_shard: {names}; shard them first")
     _attach(handle)
     return handle
+
+
+def _collect(handle: LowPrecisionGather, ruled: dict[int, tuple[str, Recipe]]) -> None:
+    """Take each ruled Linear's weight out of ``ruled`` into ``handle``, by FSDP2 group (a
+    weight shared by several ruled Linears gathers in the first one's recipe)."""
+    from torch.distributed.fsdp import FSDPModule
+
+    for module in handle.model.modules():
+        group = torch_compat.fsdp_param_group(module) if isinstance(module, FSDPModule) else None
+        for fsdp_param in torch_compat.fsdp_params(group) if group is not None else ():
+            owners = torch_compat.fsdp_param_owners(fsdp_param)
+            found = [ruled.pop(id(o)) for o, attr in owners if attr == "weight" and id(o) in ruled]
+            if found:
+                name, recipe = found[0]
+                _check(name, fsdp_param, recipe)
+                weight = _Weight(name, fsdp_param, group, recipe, handle)
+                handle.weights.append(weight)
+                handle.groups.setdefault(id(group), []).append(weight)
 
 
 def _weight_low(recipe: Recipe) -> bool:
@@ -424,7 +450,7 @@ def _weight_low(recipe: Recipe) -> bool:
 
 
 def _check(name: str, fsdp_param: Any, recipe: Recipe) -> None:
-    shape = tuple(fsdp_param.sharded_param.shape)
+    shape = tuple(torch_compat.fsdp_sharded_param(fsdp_param).shape)
     _, k, n = recipe.multiples()
     where = f"Linear {name!r} (out_features={shape[0]}, in_features={shape[1]})"
     if shape[1] % k or shape[0] % n:
@@ -447,10 +473,3 @@ def _attach(handle: LowPrecisionGather) -> None:
         raise ConfigError("the ruled weights are sharded over different process groups")
     for w in handle.weights:
         torch_compat.fsdp_attach_extension(w.fsdp_param, w.pre_all_gather, w.post_all_gather)
-    handle.watch_steps()
-
-    @torch_compat.dynamo_disable
-    def before_forward(module: nn.Module, args: Any) -> None:
-        handle.refresh(force=False)
-
-    handle.model.register_forward_pre_hook(before_forward, prepend=True)
