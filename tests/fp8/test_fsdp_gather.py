@@ -98,7 +98,7 @@ def test_gather_is_bitwise_the_run_without_it(
         forwards = len(low["losses"])
         gathers_per_forward = 2 if scenario == "parity" else 1  # backward re-gathers
         assert low["gathers"] == 2 * forwards * gathers_per_forward
-        assert_scale_exchanges(run, GROUPS)
+        assert_scale_exchanges(run)
 
 
 @pytest.mark.slow
@@ -114,20 +114,17 @@ def test_rules_per_matmul_gather_the_weights_read_in_low_precision(
             _assert_bitwise(run)
             low = run["low"]
             assert low["names"] == ["2"] and low["high_precision"] == ["0"], order
-            assert_scale_exchanges(run, 1)
+            assert_scale_exchanges(run)
 
 
-#: The FSDP2 groups holding ruled weights in the worker's model (each Linear its own group).
-GROUPS = 2
-
-
-def assert_scale_exchanges(run: dict[str, Any], groups: int) -> None:
-    """One scale collective per FSDP2 group of ruled weights per forward, and no other
-    collective than the run without the gather calls (no high-precision gather either)."""
+def assert_scale_exchanges(run: dict[str, Any], per_forward: int = 1) -> None:
+    """``per_forward`` scale collectives per forward (one where the region's outermost module
+    call tells the forwards apart), and no other collective than the run without the gather
+    calls (no high-precision gather either)."""
     low = run["low"]
     per_step = len(low["losses"]) // len(low["grads"])
-    assert low["collectives"] == groups * len(low["losses"])
-    assert extra_collectives(run) == [groups * per_step] * len(low["grads"])
+    assert low["collectives"] == per_forward * len(low["losses"])
+    assert extra_collectives(run) == [per_forward * per_step] * len(low["grads"])
     assert low["recasts"] == low["high_gathers"] == 0
 
 
@@ -171,7 +168,7 @@ def test_scales_follow_foreach_and_fused_optimizers(
         run = rank["optimizers"][recipe]
         _assert_bitwise(run)
         assert len(run["low"]["grads"]) == 3
-        assert_scale_exchanges(run, GROUPS)
+        assert_scale_exchanges(run)
 
 
 @pytest.mark.slow
@@ -185,7 +182,7 @@ def test_one_fsdp_group_mixing_codes_and_bf16_parameters(
         run = rank["one_group"][recipe]
         _assert_bitwise(run)
         assert run["low"]["names"] == ["0", "2"]
-        assert_scale_exchanges(run, 1)
+        assert_scale_exchanges(run)
 
 
 def _bytes_per_value(run: dict[str, Any], rows: int, world: int) -> float:
@@ -234,7 +231,7 @@ def test_scaler_skips_together_and_stats_count_the_bytes(
         run = rank["scaler"]["mxfp8"]
         _assert_bitwise(run)
         assert run["plain"]["skipped"] == run["low"]["skipped"] == [False, True, False]
-        assert_scale_exchanges(run, GROUPS)
+        assert_scale_exchanges(run)
         forward_bytes = 3 * 192 * 128  # three forwards (the stats' context) of 192 x 128 codes
         assert run["low"]["stats_gathered"] == {"0": forward_bytes, "2": forward_bytes}
         assert run["plain"]["stats_gathered"] == {"0": 0, "2": 0}
@@ -251,7 +248,7 @@ def test_compiled_sharded_model(tmp_path: Path) -> None:
         for run in rank["compiled"].values():
             _assert_bitwise({"plain": run["eager"], "low": run["plain"]})
             _assert_bitwise(run)
-            assert_scale_exchanges(run, GROUPS)
+            assert_scale_exchanges(run)
     assert result["compiled"]["tensorwise"]["low"]["graphs"] > 0
 
 
@@ -271,7 +268,7 @@ def test_checkpoint_is_plain_and_loads_at_another_world_size(
         assert torch.isfinite(loaded["loss"][0])
         for a, b in zip(loaded["loss"], loaded["plain_loss"], strict=True):
             assert torch.equal(a, b)  # loss and grads on 3 ranks: the gather changes nothing
-        assert loaded["collectives"] == GROUPS  # one forward
+        assert loaded["collectives"] == 1  # one forward
 
 
 MIXPREC_FREE = """
@@ -363,7 +360,8 @@ def test_gathered_codes_are_a_fresh_cast_after_every_change(
             _assert_bitwise(run)
             assert run["low"]["recasts"] == run["low"]["high_gathers"] == 0, key
             assert run["low"]["gathers"] > 0, key  # the codes were gathered and used
-            assert_scale_exchanges(run, 2)
+            # a method FSDP2 wraps calls the two Linears as two outermost module calls
+            assert_scale_exchanges(run, 2 if "/method/" in key else 1)
 
 
 @pytest.mark.slow
@@ -419,4 +417,4 @@ def test_a_linear_with_fewer_rows_than_ranks(cache_world: list[dict[str, Any]]) 
         for recipe, run in rank["few_rows"].items():
             _assert_bitwise(run)
             assert run["low"]["names"] == ["0", "2"], recipe
-            assert_scale_exchanges(run, 2)
+            assert_scale_exchanges(run)

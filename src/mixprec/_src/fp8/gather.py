@@ -7,16 +7,18 @@ its recipe's codes instead of the parameter dtype, through FSDP2's extension
 plain tensor: the optimizer, ``state_dict`` and distributed checkpoints see ordinary
 parameters).
 
-* **Scales.** At every gather of an FSDP2 group of ruled weights outside backward (however the
-  forward was entered: ``model(x)``, a method FSDP2's ``register_fsdp_forward_method`` wraps, a
-  module run alone), each rank computes the block maxima of the rows it holds, in the parameter
-  dtype, and ONE ``all_gather_into_tensor`` over the mesh exchanges them for the group's ruled
-  weights; each rank then combines them (a maximum: blocks that straddle shards, whole columns,
-  the whole tensor) into the scales of the whole weight. So the scales are those of the weights
-  as they are, whatever changed them in place since (any optimizer, ``torch._foreach`` ops,
-  ``copy_``, ``.data``, a checkpoint loaded into the shards: none of them is seen by a version
-  counter of the sharded parameters); a backward gather, and a forward recomputed in backward,
-  use their forward's.
+* **Scales.** Before the first gather of every forward (however it was entered: ``model(x)``,
+  a method FSDP2's ``register_fsdp_forward_method`` wraps, a module run alone), each rank
+  computes the block maxima of the rows it holds, in the parameter dtype, and ONE
+  ``all_gather_into_tensor`` over the mesh exchanges them for every ruled weight at once; each
+  rank then combines them (a maximum: blocks that straddle shards, whole columns, the whole
+  tensor) into the scales of the whole weight. A forward is told from the next by the region's
+  outermost module call; where there is none (a gather before any module call, outside a region
+  with module rules) the gathered group's scales are exchanged at each of its gathers. So the
+  scales are those of the weights as they are, whatever changed them in place since (any
+  optimizer, ``torch._foreach`` ops, ``copy_``, ``.data``, a checkpoint loaded into the shards:
+  none of them is seen by a version counter of the sharded parameters); a backward gather, and
+  a forward recomputed in backward, use their forward's.
 * **Codes.** Each rank casts its rows with those scales (elementwise, so the codes are the
   unsharded cast's, bit for bit) and FSDP gathers them as ``uint8`` tensors of exactly the padded
   shard's shape (gloo has no float8 type; an uneven shard is padded like FSDP's own): one byte a
@@ -238,8 +240,8 @@ class LowPrecisionGather:
         recipes: the recipe each of them gathers in (by name), as the forward's resolver rules
             them under the policy given.
         recompute: both copies of a rowwise weight travel in every gather.
-        collectives: the scale collectives issued (one per FSDP2 group of ruled weights per
-            forward).
+        collectives: the scale collectives issued (one per forward run in a region with module
+            rules; else one per gather of an FSDP2 group of ruled weights outside backward).
         scale_bytes: bytes this rank put into them.
         gathers: the weights' all-gathers (one per weight per gather).
         gather_bytes: bytes this rank put into them (each goes to ``world - 1`` ranks).
@@ -260,6 +262,7 @@ class LowPrecisionGather:
         self.high_precision: list[str] = []
         self.collectives = self.scale_bytes = self.gathers = self.gather_bytes = 0
         self.recasts = self.high_gathers = 0
+        self.forward: object = None  # the forward the scales were last exchanged for
 
     @property
     def names(self) -> list[str]:
@@ -281,14 +284,26 @@ class LowPrecisionGather:
         self.recasts += 1
 
     def before_gather(self, weight: _Weight) -> None:
-        """Refresh the scales of ``weight``'s group at the first of its weights in a gather
-        outside backward (a backward gather and a recomputed forward use the forward's).
+        """Refresh the scales before the first gather of each forward outside backward (a
+        backward gather and a recomputed forward use the forward's): of every ruled weight
+        once per forward where the region tells one forward from the next (its outermost
+        module call), else of the gathered group at each of its gathers.
 
         Host sync: none (the collective is queued on the mesh's group).
         """
+        from mixprec._src.autocast.calls import outermost_call
+
         group = self.groups[id(weight.group)]
-        if weight is group[0] and (not torch_compat.running_backward() or not weight.scales):
-            self.refresh(group)
+        if weight is not group[0]:
+            return
+        if torch_compat.running_backward():
+            if not weight.scales:
+                self.refresh(group)
+            return
+        forward = outermost_call()
+        if forward is None or forward is not self.forward:
+            self.refresh(group if forward is None else self.weights)
+        self.forward = forward  # held, so that no later call can take its id
 
     def refresh(self, weights: list[_Weight]) -> None:
         """Recompute the scales of ``weights`` from the shards as they are, with one collective
