@@ -1,6 +1,6 @@
 """The low-precision all-gather under real FSDP2: gloo worlds of 2 and 3 ranks on 127.0.0.1,
-spawned here (tests/fsdp_gather_worker.py), every recipe, each run against the same run without
-the gather. The workers only record; every assertion is made here. Each world is bounded by a
+spawned here (tests/fsdp_gather_worker.py; the cache tests: tests/fsdp_cache_worker.py), every
+recipe, each run against the same run without the gather. The workers only record; every assertion is made here. Each world is bounded by a
 hard timeout and its processes are killed in ``finally``.
 """
 
@@ -28,6 +28,7 @@ pytestmark = pytest.mark.skipif(
 )
 
 WORKER = Path(__file__).resolve().parents[1] / "fsdp_gather_worker.py"
+CACHE_WORKER = WORKER.with_name("fsdp_cache_worker.py")
 TIMEOUT_S = 90
 ALL = ("tensorwise", "rowwise", "rowwise_gw_hp", "blockwise", "mxfp8", "nvfp4")
 
@@ -341,7 +342,7 @@ def cache_world(tmp_path_factory: pytest.TempPathFactory) -> list[dict[str, Any]
     entered two ways; the weight read by other readers than its rule's matmul and run under
     other rules than the gather's; a Linear with fewer rows than ranks."""
     outdir = tmp_path_factory.mktemp("cache")
-    return run_world(outdir, 2, ["refresh", "readers", "few_rows"])
+    return run_world(outdir, 2, ["refresh", "readers", "few_rows"], CACHE_WORKER)
 
 
 @pytest.mark.slow
