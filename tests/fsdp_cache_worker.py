@@ -157,7 +157,7 @@ def variant(
         register_fsdp_forward_method(model, "score")
     opt = OPTIMS.get(how, OPTIMS["sgd"])(list(model.parameters()))
     stats = mixprec.Fp8Stats()
-    log: dict[str, Any] = {"losses": [], "grads": [], "calls": []}
+    log: dict[str, Any] = {"losses": [], "grads": [], "calls": [], "kept": []}
     with counting(log["calls"]):
         for step, policy in enumerate(policies):
             log["calls"].append(0)
@@ -166,6 +166,8 @@ def variant(
                 out = model(x) if entry == "call" else model.score(x)  # type: ignore[operator]
             loss = (out.float() - y).square().mean()
             loss.backward()
+            if handle is not None:  # the weights whose own values the handle still holds
+                log["kept"].append(sum(w.payload.high is not None for w in handle.weights))
             log["losses"].append(loss.detach())
             log["grads"].append([full(p.grad) for p in model.parameters()])
             opt.step()

@@ -1,7 +1,8 @@
 """The low-precision all-gather under real FSDP2: gloo worlds of 2 and 3 ranks on 127.0.0.1,
 spawned here (tests/fsdp_gather_worker.py; the cache tests: tests/fsdp_cache_worker.py), every
-recipe, each run against the same run without the gather. The workers only record; every assertion is made here. Each world is bounded by a
-hard timeout and its processes are killed in ``finally``.
+recipe, each run against the same run without the gather. The workers only record; every
+assertion is made here. Each world is bounded by a hard timeout and its processes are killed
+in ``finally``.
 """
 
 from __future__ import annotations
@@ -369,7 +370,8 @@ def test_gathered_codes_are_a_fresh_cast_after_every_change(
 def test_other_readers_get_the_weights_own_values(cache_world: list[dict[str, Any]]) -> None:
     """A LoRA merge ``W + B @ A``, ``x @ W.t()``, an op on the weight beside the matmul, an
     Embedding tied to a ruled head: bit for bit the run without the gather (the weight's own
-    values, all-gathered for them, never a dequantized copy); the plain forward reads none."""
+    values, all-gathered for them, never a dequantized copy), and after the step the handle
+    holds the own values of one weight at most (they are dropped at the next gather)."""
     for rank in cache_world:
         for key in ("lora", "t_matmul", "norm", "tied"):
             run = rank["readers"][key]
@@ -377,6 +379,7 @@ def test_other_readers_get_the_weights_own_values(cache_world: list[dict[str, An
             forwards = len(run["low"]["losses"])
             assert run["low"]["high_gathers"] >= forwards, key  # at least one per forward
             assert run["low"]["recasts"] == 0, key
+            assert max(run["low"]["kept"]) <= 1, key  # one weight's own values held at most
 
 
 @pytest.mark.slow

@@ -14,8 +14,8 @@ weight, consulted in one place only:
   (counted: ``LowPrecisionGather.recasts``);
 * every other reader of the weight (a merge ``W + B @ A``, an embedding tied to the Linear,
   ``x @ W.t()``, any op) gets the weight's own values: the high-precision weight, all-gathered
-  from the shards once per gather at the first such read (counted:
-  ``LowPrecisionGather.high_gathers``), bit for bit what FSDP2's own gather gives.
+  from the shards at the first such read (counted: ``LowPrecisionGather.high_gathers``) and
+  kept until the next gather of a ruled weight, bit for bit what FSDP2's own gather gives.
 
 NVFP4's e2m1 codes travel two to a byte (:func:`pack_e2m1`) and are unpacked here.
 """
@@ -47,7 +47,9 @@ class Payload:
         fetch: all-gathers the weight's high-precision values from the shards (a collective).
         recast: called when a matmul wanted another cast than the gathered one.
         copies: the orientations this gather carried, by index.
-        high: the high-precision weight, once a reader other than the recipe's matmul asked.
+        high: the high-precision weight, while a reader other than the recipe's matmul may read
+            it again (dropped at the next gather of a ruled weight: deterministic on every rank,
+            so every rank fetches at the same reads).
     """
 
     name: str

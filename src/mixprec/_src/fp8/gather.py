@@ -121,7 +121,9 @@ class _Weight:
     def high(self) -> torch.Tensor:
         """The whole weight in the parameter dtype, all-gathered from the shards: bit for bit
         the weight FSDP2's own gather gives (what a reader other than the recipe's matmul
-        gets). One collective on the mesh's group, counted."""
+        gets). One collective on the mesh's group, counted; the values are kept until the
+        next gather of any ruled weight (at most one weight's at a time)."""
+        self.owner.keep(self.payload)
         shard = self.hp_shard().contiguous()
         out = shard.new_empty(self.world * shard.numel())
         _all_gather(out, shard.view(-1), group=self.pg)
@@ -263,6 +265,7 @@ class LowPrecisionGather:
         self.collectives = self.scale_bytes = self.gathers = self.gather_bytes = 0
         self.recasts = self.high_gathers = 0
         self.forward: object = None  # the forward the scales were last exchanged for
+        self.kept: Payload | None = None  # the one payload holding its weight's own values
 
     @property
     def names(self) -> list[str]:
@@ -283,6 +286,15 @@ class LowPrecisionGather:
         """Count one matmul that cast the weight's own values. Host sync: none."""
         self.recasts += 1
 
+    def keep(self, payload: Payload) -> None:
+        """Let ``payload`` hold its weight's own values, the payload that held some drop them.
+
+        Host sync: none.
+        """
+        if self.kept is not None and self.kept is not payload:
+            self.kept.high = None
+        self.kept = payload
+
     def before_gather(self, weight: _Weight) -> None:
         """Refresh the scales before the first gather of each forward outside backward (a
         backward gather and a recomputed forward use the forward's): of every ruled weight
@@ -293,6 +305,7 @@ class LowPrecisionGather:
         """
         from mixprec._src.autocast.calls import outermost_call
 
+        self.keep(weight.payload)  # any other weight's own values are dropped at each gather
         group = self.groups[id(weight.group)]
         if weight is not group[0]:
             return
