@@ -1,7 +1,7 @@
 """How each recipe's weight travels in an FSDP2 all-gather: codes as bytes, scales of the moment.
 
 FSDP2 all-gathers every weight before the forward and, with ``reshard_after_forward=True``,
-again in backward. :func:`gather_low_precision` makes it gather each ruled Linear's weight as
+again in backward. :func:`set_up` makes it gather each ruled Linear's weight as
 its recipe's codes instead of the parameter dtype, through FSDP2's extension
 (``fsdp_pre_all_gather``/``fsdp_post_all_gather`` on the sharded local tensor, which stays a
 plain tensor: the optimizer, ``state_dict`` and distributed checkpoints see ordinary
@@ -31,14 +31,15 @@ parameters).
 
 The unsharded weight is a :class:`~.carrier.Gathered`: a cache of the cast, consumed by the
 recipe's matmul when its rule wants that cast; any other reader gets the weight's own values.
-Which Linears gather in which recipe is asked of the forward's resolver (the tree plan of
-:mod:`mixprec._src.autocast.tree`), so the gather and the forward never disagree on a rule.
+Which Linears gather in which recipe is asked of the forward's resolver by the caller
+(:mod:`mixprec._src.autocast.fsdp`: the tree plan), so the gather and the forward never
+disagree on a rule; so is how one forward is told from the next.
 """
 
 from __future__ import annotations
 
-from collections.abc import Iterator
-from typing import TYPE_CHECKING, Any
+from collections.abc import Callable, Iterable
+from typing import Any
 
 import torch
 import torch.distributed as dist
@@ -51,9 +52,6 @@ from mixprec._src.fp8.formats import block_scales, e8m0_exponent, encode
 from mixprec._src.fp8.recipes import E2M1, E4M3, Cast, Recipe, get_recipe
 from mixprec._src.fp8.stats import active_stats
 from mixprec.errors import ConfigError
-
-if TYPE_CHECKING:
-    from mixprec._src.autocast.policy import Policy
 
 
 def orientations(recipe: Recipe) -> tuple[tuple[Cast, int], ...]:
@@ -235,7 +233,7 @@ class _Weight:
 
 
 class LowPrecisionGather:
-    """What :func:`gather_low_precision` set up: the ruled weights, and what went on the wire.
+    """What :func:`set_up` set up: the ruled weights, and what went on the wire.
 
     Attributes:
         names: the Linears whose weights gather in their recipe's format.
@@ -255,8 +253,9 @@ class LowPrecisionGather:
     Host sync: none.
     """
 
-    def __init__(self, model: nn.Module, recompute: bool) -> None:
+    def __init__(self, model: nn.Module, recompute: bool, forward: Callable[[], object]) -> None:
         self.model, self.recompute = model, recompute
+        self.running = forward  # the forward now running (None: unknown)
         self.weights: list[_Weight] = []
         self.groups: dict[int, list[_Weight]] = {}  # by FSDP2 group, in its gather order
         #: Ruled Linears gathered in the parameter dtype: their recipe reads the weight in
@@ -303,8 +302,6 @@ class LowPrecisionGather:
 
         Host sync: none (the collective is queued on the mesh's group).
         """
-        from mixprec._src.autocast.calls import outermost_call
-
         self.keep(weight.payload)  # any other weight's own values are dropped at each gather
         group = self.groups[id(weight.group)]
         if weight is not group[0]:
@@ -313,7 +310,7 @@ class LowPrecisionGather:
             if not weight.scales:
                 self.refresh(group)
             return
-        forward = outermost_call()
+        forward = self.running()
         if forward is None or forward is not self.forward:
             self.refresh(group if forward is None else self.weights)
         self.forward = forward  # held, so that no later call can take its id
@@ -377,42 +374,23 @@ def _unpack(
     return out
 
 
-def _ruled_linears(model: nn.Module, policy: Policy) -> Iterator[tuple[str, nn.Linear, str]]:
-    """``(name, Linear, recipe)`` of every Linear the forward's resolver gives an fp8-family
-    rule under ``policy`` with ``model`` at the top of the region (its tree plan: one answer per
-    module, however many names it has)."""
-    from mixprec._src.autocast.tree import tree_of
-
-    tree = tree_of(model)
-    rules = tree.plan(model, policy).rules
-    for module in model.modules():
-        found = rules.get(id(module))
-        if not isinstance(module, nn.Linear) or found is None:
-            continue
-        if found.rule.fp8_family and found.rule.recipe is not None:
-            yield tree.names[id(module)][0], module, found.rule.recipe
-
-
-def gather_low_precision(
-    model: nn.Module, policy: Policy, *, recompute: bool = False
+def set_up(
+    model: nn.Module,
+    ruled: Iterable[tuple[str, nn.Linear, str]],
+    rules: str,
+    forward: Callable[[], object],
+    recompute: bool,
 ) -> LowPrecisionGather:
-    """Make FSDP2 all-gather each Linear that ``policy`` runs in a low-precision recipe as its
-    recipe's codes (scales exchanged at each forward's gather), bit for bit the run without it.
-
-    Call it once, after ``fully_shard`` and before the first forward; run the forwards inside
-    ``mixprec.autocast(..., policy=policy)`` as without it. The parameters stay plain (sharded)
-    tensors: the optimizer, ``state_dict`` and ``torch.distributed.checkpoint`` are unchanged,
-    and changing them in place any way needs nothing more. The gathered codes are a cache: a
-    forward under another policy (a ``Schedule``'s later phase) casts the weight itself where
-    its rule wants another cast, and any other reader of the weight (a merge, a tied
-    embedding, ``x @ w.t()``) gets the weight's own values, all-gathered for it (both counted
-    on the handle).
+    """Make FSDP2 all-gather the weight of each ``(name, Linear, recipe)`` of ``ruled`` (read
+    after the checks) in its recipe's codes: what ``mixprec.distributed.gather_low_precision``
+    does once it asked the forward's resolver (the fp8 package does not import autocast).
 
     Args:
         model: the root module ``fully_shard`` was applied to.
-        policy: the :class:`~mixprec.Policy` the forwards run under.
-        recompute: the forward of a rowwise-ruled Linear is recomputed in backward (activation
-            checkpointing): its backward gather then carries both copies of the weight.
+        ruled: the Linears with an fp8-family rule, as the forward's resolver rules them.
+        rules: the policy, as the messages name it.
+        forward: the forward now running (a new object for each forward, None where unknown).
+        recompute: both copies of a rowwise weight travel in every gather.
 
     Returns:
         A :class:`LowPrecisionGather` (what went on the wire).
@@ -421,9 +399,6 @@ def gather_low_precision(
         ConfigError: ``model`` is not a ``fully_shard`` root, has been run already, no Linear is
             ruled, a ruled weight is not sharded by FSDP2 (or offloaded, or sharded along
             ``in_features``), or its features do not fit its recipe's blocks.
-
-    Example:
-        >>> # doc: needs torch.distributed (see docs/distributed.md for a 2-process run)
 
     Host sync: none.
     """
@@ -434,19 +409,19 @@ def gather_low_precision(
             f"gather_low_precision needs the root module fully_shard was applied to, got "
             f"{type(model).__name__}: call fully_shard(model) on the root first"
         )
-    handle = LowPrecisionGather(model, recompute)
+    handle = LowPrecisionGather(model, recompute, forward)
     torch_compat.fsdp_lazy_init(model)
-    ruled = {id(m): (name, get_recipe(r)) for name, m, r in _ruled_linears(model, policy)}
-    high = [ruled.pop(key)[0] for key, (_, r) in list(ruled.items()) if not _weight_low(r)]
+    by_id = {id(m): (name, get_recipe(r)) for name, m, r in ruled}
+    high = [by_id.pop(key)[0] for key, (_, r) in list(by_id.items()) if not _weight_low(r)]
     handle.high_precision = sorted(high)
-    if not ruled:
+    if not by_id:
         why = f" (those ruled read their weight in high precision: {high[:5]})" if high else ""
         raise ConfigError(
-            f"no Linear of the model is ruled by a low-precision recipe in {policy}{why}"
+            f"no Linear of the model is ruled by a low-precision recipe in {rules}{why}"
         )
-    _collect(handle, ruled)
-    if ruled:
-        names = sorted(name for name, _ in ruled.values())
+    _collect(handle, by_id)
+    if by_id:
+        names = sorted(name for name, _ in by_id.values())
         raise ConfigError(f"ruled Linears not sharded by fully_shard: {names}; shard them first")
     _attach(handle)
     return handle
