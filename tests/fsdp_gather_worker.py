@@ -146,7 +146,17 @@ def optimizer_step(
 
 def counts(handle: Any) -> dict[str, Any]:
     """What the gather's handle counted (the test checks them against ``calls``)."""
-    names = ("collectives", "gathers", "gather_bytes", "scale_bytes", "names", "high_precision")
+    names = (
+        "collectives",
+        "gathers",
+        "gather_bytes",
+        "scale_bytes",
+        "names",
+        "high_precision",
+        "recipes",
+        "recasts",
+        "high_gathers",
+    )
     return {name: getattr(handle, name) for name in names}
 
 

@@ -334,9 +334,9 @@ def test_fsdp2_entries_on_a_one_rank_world() -> None:
         fully_shard(model)
         tc.fsdp_lazy_init(model)
         group = tc.fsdp_param_group(model[0])
-        weight, _bias = group.fsdp_params
-        owner, name = tc.fsdp_param_owner(weight)
-        assert owner is model[0] and name == "weight"
+        weight, _bias = tc.fsdp_params(group)
+        assert tc.fsdp_param_owners(weight) == [(model[0], "weight")]
+        assert tc.fsdp_sharded_param(weight) is model[0].weight  # sharded between gathers
         assert tc.fsdp_shard_info(weight)[:2] == (0, 1)
         assert tc.fsdp_padded_shard(weight).shape == (3, 4)
         assert tc.fsdp_param_dtype(weight) == torch.float32

@@ -9,9 +9,10 @@ low-precision-ruled Linears in their recipe's format. See ``docs/distributed.md`
 
 from __future__ import annotations
 
+from mixprec._src.autocast.fsdp import gather_low_precision
 from mixprec._src.dist.agree import agree_found_inf_
 from mixprec._src.dist.norms import all_reduce_norm_, distributed_clip_grad_norm_
-from mixprec._src.fp8.gather import LowPrecisionGather, gather_low_precision
+from mixprec._src.fp8.gather import LowPrecisionGather
 from mixprec._src.scaling.join import JoinableScaler
 
 __all__ = [

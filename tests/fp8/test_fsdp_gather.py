@@ -1,7 +1,8 @@
 """The low-precision all-gather under real FSDP2: gloo worlds of 2 and 3 ranks on 127.0.0.1,
-spawned here (tests/fsdp_gather_worker.py), every recipe, each run against the same run without
-the gather. The workers only record; every assertion is made here. Each world is bounded by a
-hard timeout and its processes are killed in ``finally``.
+spawned here (tests/fsdp_gather_worker.py; the cache tests: tests/fsdp_cache_worker.py), every
+recipe, each run against the same run without the gather. The workers only record; every
+assertion is made here. Each world is bounded by a hard timeout and its processes are killed
+in ``finally``.
 """
 
 from __future__ import annotations
@@ -28,6 +29,7 @@ pytestmark = pytest.mark.skipif(
 )
 
 WORKER = Path(__file__).resolve().parents[1] / "fsdp_gather_worker.py"
+CACHE_WORKER = WORKER.with_name("fsdp_cache_worker.py")
 TIMEOUT_S = 90
 ALL = ("tensorwise", "rowwise", "rowwise_gw_hp", "blockwise", "mxfp8", "nvfp4")
 
@@ -95,12 +97,10 @@ def test_gather_is_bitwise_the_run_without_it(
         _assert_bitwise(run)
         low = run["low"]
         assert low["names"] == ["0", "2"]  # the bf16 Linear "4" gathers as before
-        steps = len(low["grads"])
-        assert low["collectives"] == steps  # one scale collective per optimizer step
         forwards = len(low["losses"])
         gathers_per_forward = 2 if scenario == "parity" else 1  # backward re-gathers
         assert low["gathers"] == 2 * forwards * gathers_per_forward
-        assert extra_collectives(run) == [1] * steps
+        assert_scale_exchanges(run)
 
 
 @pytest.mark.slow
@@ -116,7 +116,18 @@ def test_rules_per_matmul_gather_the_weights_read_in_low_precision(
             _assert_bitwise(run)
             low = run["low"]
             assert low["names"] == ["2"] and low["high_precision"] == ["0"], order
-            assert low["collectives"] == len(low["grads"])
+            assert_scale_exchanges(run)
+
+
+def assert_scale_exchanges(run: dict[str, Any], per_forward: int = 1) -> None:
+    """``per_forward`` scale collectives per forward (one where the region's outermost module
+    call tells the forwards apart), and no other collective than the run without the gather
+    calls (no high-precision gather either)."""
+    low = run["low"]
+    per_step = len(low["losses"]) // len(low["grads"])
+    assert low["collectives"] == per_forward * len(low["losses"])
+    assert extra_collectives(run) == [per_forward * per_step] * len(low["grads"])
+    assert low["recasts"] == low["high_gathers"] == 0
 
 
 def extra_collectives(run: dict[str, Any]) -> list[int]:
@@ -154,12 +165,12 @@ def test_scales_follow_foreach_and_fused_optimizers(
     worlds: dict[int, list[dict[str, Any]]], recipe: str
 ) -> None:
     """AdamW foreach and fused leave the sharded parameters' version counters as they were:
-    the scales must still be recomputed after each of their steps (one collective each)."""
+    the scales are recomputed at every forward's gather all the same."""
     for rank in worlds[2]:
         run = rank["optimizers"][recipe]
         _assert_bitwise(run)
-        assert run["low"]["collectives"] == len(run["low"]["grads"]) == 3
-        assert extra_collectives(run) == [1, 1, 1]
+        assert len(run["low"]["grads"]) == 3
+        assert_scale_exchanges(run)
 
 
 @pytest.mark.slow
@@ -173,7 +184,7 @@ def test_one_fsdp_group_mixing_codes_and_bf16_parameters(
         run = rank["one_group"][recipe]
         _assert_bitwise(run)
         assert run["low"]["names"] == ["0", "2"]
-        assert extra_collectives(run) == [1] * len(run["low"]["grads"])
+        assert_scale_exchanges(run)
 
 
 def _bytes_per_value(run: dict[str, Any], rows: int, world: int) -> float:
@@ -217,13 +228,12 @@ def test_scaler_skips_together_and_stats_count_the_bytes(
     worlds: dict[int, list[dict[str, Any]]],
 ) -> None:
     """fp16 + GradScaler, an inf on rank 1 at step 1: both ranks skip it, with the gather as
-    without; the skipped step changed no weight, so no scale collective ran for it."""
+    without."""
     for rank in worlds[2]:
         run = rank["scaler"]["mxfp8"]
         _assert_bitwise(run)
         assert run["plain"]["skipped"] == run["low"]["skipped"] == [False, True, False]
-        assert run["low"]["collectives"] == 2
-        assert extra_collectives(run) == [1, 1, 0]  # none after the skipped step
+        assert_scale_exchanges(run)
         forward_bytes = 3 * 192 * 128  # three forwards (the stats' context) of 192 x 128 codes
         assert run["low"]["stats_gathered"] == {"0": forward_bytes, "2": forward_bytes}
         assert run["plain"]["stats_gathered"] == {"0": 0, "2": 0}
@@ -237,11 +247,10 @@ def test_compiled_sharded_model(tmp_path: Path) -> None:
     between them)."""
     (result, *others) = run_world(tmp_path, 2, ["compiled"], timeout=3 * TIMEOUT_S)
     for rank in (result, *others):
-        for recipe, run in rank["compiled"].items():
+        for run in rank["compiled"].values():
             _assert_bitwise({"plain": run["eager"], "low": run["plain"]})
             _assert_bitwise(run)
-            assert run["low"]["collectives"] == len(run["low"]["grads"]), recipe
-            assert extra_collectives(run) == [1] * len(run["low"]["grads"]), recipe
+            assert_scale_exchanges(run)
     assert result["compiled"]["tensorwise"]["low"]["graphs"] > 0
 
 
@@ -261,7 +270,7 @@ def test_checkpoint_is_plain_and_loads_at_another_world_size(
         assert torch.isfinite(loaded["loss"][0])
         for a, b in zip(loaded["loss"], loaded["plain_loss"], strict=True):
             assert torch.equal(a, b)  # loss and grads on 3 ranks: the gather changes nothing
-        assert loaded["collectives"] == 1
+        assert loaded["collectives"] == 1  # one forward
 
 
 MIXPREC_FREE = """
@@ -323,3 +332,93 @@ def test_refuses_a_model_that_is_not_sharded() -> None:
 
     with pytest.raises(ConfigError, match="fully_shard"):
         gather_low_precision(nn.Linear(4, 4), mixprec.Policy("nn.Linear=fp8"))
+
+
+# ---------------------------------------------------------------------- the cache, never a value
+
+
+@pytest.fixture(scope="module")
+def cache_world(tmp_path_factory: pytest.TempPathFactory) -> list[dict[str, Any]]:
+    """One 2-rank world: the parameters changed in place every way between steps, each forward
+    entered two ways; the weight read by other readers than its rule's matmul and run under
+    other rules than the gather's; a Linear with fewer rows than ranks."""
+    outdir = tmp_path_factory.mktemp("cache")
+    return run_world(outdir, 2, ["refresh", "readers", "few_rows"], CACHE_WORKER)
+
+
+@pytest.mark.slow
+def test_gathered_codes_are_a_fresh_cast_after_every_change(
+    cache_world: list[dict[str, Any]],
+) -> None:
+    """Whatever changed the parameters in place since the last step (SGD, AdamW foreach and
+    fused, ``torch._foreach_add_``/``_foreach_mul_`` by hand, ``copy_``, ``.data``, an in-place
+    ``torch.distributed.checkpoint`` load) and however the forward is entered (a call, a method
+    FSDP2's ``register_fsdp_forward_method`` wraps): bit for bit the run without the gather,
+    with no high-precision fallback (the codes were fresh, so the matmuls used them)."""
+    variants = cache_world[0]["refresh"]
+    assert len(variants) == 16
+    for rank in cache_world:
+        for key, run in rank["refresh"].items():
+            _assert_bitwise(run)
+            assert run["low"]["recasts"] == run["low"]["high_gathers"] == 0, key
+            assert run["low"]["gathers"] > 0, key  # the codes were gathered and used
+            # a method FSDP2 wraps calls the two Linears as two outermost module calls
+            assert_scale_exchanges(run, 2 if "/method/" in key else 1)
+
+
+@pytest.mark.slow
+def test_other_readers_get_the_weights_own_values(cache_world: list[dict[str, Any]]) -> None:
+    """A LoRA merge ``W + B @ A``, ``x @ W.t()``, an op on the weight beside the matmul, an
+    Embedding tied to a ruled head: bit for bit the run without the gather (the weight's own
+    values, all-gathered for them, never a dequantized copy), and after the step the handle
+    holds the own values of one weight at most (they are dropped at the next gather)."""
+    for rank in cache_world:
+        for key in ("lora", "t_matmul", "norm", "tied"):
+            run = rank["readers"][key]
+            _assert_bitwise(run)
+            forwards = len(run["low"]["losses"])
+            assert run["low"]["high_gathers"] >= forwards, key  # at least one per forward
+            assert run["low"]["recasts"] == 0, key
+            assert max(run["low"]["kept"]) <= 1, key  # one weight's own values held at most
+
+
+@pytest.mark.slow
+def test_a_forward_under_another_rule_does_not_use_the_gathered_codes(
+    cache_world: list[dict[str, Any]],
+) -> None:
+    """The gather set up for mxfp8, the second step run under another policy (a Schedule's
+    later phase): nvfp4, tensorwise fp8 for one Linear, bf16 for one. Bit for bit the run
+    without the gather (which casts the weight for the rule it runs); the matmuls whose rule
+    wants another cast are counted, and read the weight's own values."""
+    for rank in cache_world:
+        for later, recasts in (("nvfp4", 2), ("fp8", 1), ("bf16", 0)):
+            run = rank["readers"][f"then_{later}"]
+            _assert_bitwise(run)
+            assert run["low"]["recasts"] >= recasts, later  # forward (and dgrad) matmuls
+            assert (run["low"]["recasts"] > 0) == (later != "bf16"), later
+            assert run["low"]["high_gathers"] >= 1, later
+
+
+@pytest.mark.slow
+def test_the_gather_asks_the_forwards_resolver(cache_world: list[dict[str, Any]]) -> None:
+    """One Linear registered as ``a`` and ``b`` under rules that disagree, in both orders: the
+    gather gathers it in the recipe the forward runs it in (its stats say which), so no matmul
+    recasts, bit for bit the run without the gather."""
+    for rank in cache_world:
+        for first, second in (("mxfp8", "nvfp4"), ("nvfp4", "mxfp8")):
+            run = rank["readers"][f"shared_{first}_{second}"]
+            _assert_bitwise(run)
+            low = run["low"]
+            ran = {name: r for name, r in low["stats_recipes"].items() if name in ("a", "b")}
+            assert len(ran) == 1 and low["recipes"] == {**ran, "c": "mxfp8"}, (ran, low)
+            assert low["recasts"] == low["high_gathers"] == 0
+
+
+@pytest.mark.slow
+def test_a_linear_with_fewer_rows_than_ranks(cache_world: list[dict[str, Any]]) -> None:
+    """``Linear(128, 1)`` on 2 ranks (rank 1 holds none of its rows), tensorwise and rowwise."""
+    for rank in cache_world:
+        for recipe, run in rank["few_rows"].items():
+            _assert_bitwise(run)
+            assert run["low"]["names"] == ["0", "2"], recipe
+            assert_scale_exchanges(run)

@@ -155,12 +155,6 @@ def fsdp_lazy_init(module: Any) -> None:
     module._get_fsdp_state()._lazy_init()
 
 
-def fsdp_param_owner(fsdp_param: Any) -> tuple[Any, str]:
-    """The module and attribute name an ``FSDPParam`` was registered under."""
-    info = fsdp_param._module_info
-    return info.module, info.param_name
-
-
 def fsdp_padded_shard(fsdp_param: Any) -> torch.Tensor:
     """This rank's shard, zero-padded to the rows of the largest shard (2D: rows, cols)."""
     return fsdp_param._sharded_param_data.view(fsdp_param.padded_sharded_param_size)
@@ -658,3 +652,26 @@ def compiled_in_place(module: torch.nn.Module) -> bool:
     Host sync: none.
     """
     return module.__dict__.get("_compiled_call_impl") is not None
+
+
+# --- gather ---
+# FSDP2's parameter layout as the low-precision gather (fp8/gather.py) reads it: ``FSDPParam``
+# and ``FSDPParamGroup`` (torch.distributed.fsdp._fully_shard) are private. Checked on 2.13.0.
+
+
+def fsdp_params(group: Any) -> list[Any]:
+    """The ``FSDPParam`` of an ``FSDPParamGroup``, in the order FSDP2 gathers them."""
+    return list(group.fsdp_params)
+
+
+def fsdp_sharded_param(fsdp_param: Any) -> torch.Tensor:
+    """The sharded parameter (a DTensor) FSDP2 registers on the module between gathers."""
+    return fsdp_param.sharded_param
+
+
+def fsdp_param_owners(fsdp_param: Any) -> list[tuple[Any, str]]:
+    """Every ``(module, attribute)`` the parameter is registered under: the module FSDP2 found
+    it on first, then those sharing it (a weight tied between an embedding and a Linear)."""
+    info = fsdp_param._module_info
+    shared = zip(info.shared_modules, info.shared_param_names, strict=True)
+    return [(info.module, info.param_name), *shared]

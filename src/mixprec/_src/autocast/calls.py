@@ -339,3 +339,18 @@ def region_policy() -> tuple[bool, Policy | None]:
     if frame is None or not frame.enabled:
         return False, None
     return True, frame.policy
+
+
+def outermost_call() -> Call | None:
+    """The outermost module call running in this thread's region (None outside one, or where
+    the region binds no module rule): a new object for each forward, what tells one forward of
+    a model from the next (the FSDP2 low-precision gather exchanges its scales once per forward).
+
+    Example:
+        >>> outermost_call() is None
+        True
+
+    Host sync: none.
+    """
+    calls = TLS.calls
+    return calls[0] if calls else None

@@ -1,19 +1,24 @@
-"""How each recipe's weight travels in an FSDP2 all-gather: codes as bytes, scales once a step.
+"""How each recipe's weight travels in an FSDP2 all-gather: codes as bytes, scales of the moment.
 
 FSDP2 all-gathers every weight before the forward and, with ``reshard_after_forward=True``,
-again in backward. :func:`gather_low_precision` makes it gather each ruled Linear's weight as
+again in backward. :func:`set_up` makes it gather each ruled Linear's weight as
 its recipe's codes instead of the parameter dtype, through FSDP2's extension
 (``fsdp_pre_all_gather``/``fsdp_post_all_gather`` on the sharded local tensor, which stays a
 plain tensor: the optimizer, ``state_dict`` and distributed checkpoints see ordinary
 parameters).
 
-* **Scales.** Before a forward whose weights changed (an optimizer step over them since the
-  last one, seen by an optimizer step hook: foreach and fused optimizers update the sharded
-  parameters without bumping their version counters; or an in-place change that did bump them),
-  each rank computes the block maxima of the rows it holds, in the parameter dtype, and ONE
+* **Scales.** Before the first gather of every forward (however it was entered: ``model(x)``,
+  a method FSDP2's ``register_fsdp_forward_method`` wraps, a module run alone), each rank
+  computes the block maxima of the rows it holds, in the parameter dtype, and ONE
   ``all_gather_into_tensor`` over the mesh exchanges them for every ruled weight at once; each
   rank then combines them (a maximum: blocks that straddle shards, whole columns, the whole
-  tensor) into the scales of the whole weight. Gradient accumulation adds none.
+  tensor) into the scales of the whole weight. A forward is told from the next by the region's
+  outermost module call; where there is none (a gather before any module call, outside a region
+  with module rules) the gathered group's scales are exchanged at each of its gathers. So the
+  scales are those of the weights as they are, whatever changed them in place since (any
+  optimizer, ``torch._foreach`` ops, ``copy_``, ``.data``, a checkpoint loaded into the shards:
+  none of them is seen by a version counter of the sharded parameters); a backward gather, and
+  a forward recomputed in backward, use their forward's.
 * **Codes.** Each rank casts its rows with those scales (elementwise, so the codes are the
   unsharded cast's, bit for bit) and FSDP gathers them as ``uint8`` tensors of exactly the padded
   shard's shape (gloo has no float8 type; an uneven shard is padded like FSDP's own): one byte a
@@ -24,19 +29,21 @@ parameters).
   (along ``out_features``) in backward, both at once where the weight stays unsharded from
   forward to backward (``reshard_after_forward=False``, FSDP's root) or is recomputed.
 
-The unsharded weight is a :class:`~.carrier.Gathered`, consumed by the recipe's matmul.
+The unsharded weight is a :class:`~.carrier.Gathered`: a cache of the cast, consumed by the
+recipe's matmul when its rule wants that cast; any other reader gets the weight's own values.
+Which Linears gather in which recipe is asked of the forward's resolver by the caller
+(:mod:`mixprec._src.autocast.fsdp`: the tree plan), so the gather and the forward never
+disagree on a rule; so is how one forward is told from the next.
 """
 
 from __future__ import annotations
 
-import weakref
-from collections.abc import Iterator
-from typing import TYPE_CHECKING, Any
+from collections.abc import Callable, Iterable
+from typing import Any
 
 import torch
 import torch.distributed as dist
 from torch import nn
-from torch.optim.optimizer import register_optimizer_step_post_hook
 
 from mixprec._src import torch_compat
 from mixprec._src.fp8.carrier import Gathered, Payload, pack_e2m1, unpack_e2m1
@@ -45,9 +52,6 @@ from mixprec._src.fp8.formats import block_scales, e8m0_exponent, encode
 from mixprec._src.fp8.recipes import E2M1, E4M3, Cast, Recipe, get_recipe
 from mixprec._src.fp8.stats import active_stats
 from mixprec.errors import ConfigError
-
-if TYPE_CHECKING:
-    from mixprec._src.autocast.policy import Policy
 
 
 def orientations(recipe: Recipe) -> tuple[tuple[Cast, int], ...]:
@@ -69,7 +73,8 @@ def orientations(recipe: Recipe) -> tuple[tuple[Cast, int], ...]:
 
 
 class _Weight:
-    """One ruled, sharded weight: its geometry, the scales of the current step, the two hooks."""
+    """One ruled, sharded weight: its geometry, the scales of its group's last forward gather,
+    FSDP2's two hooks, and the way to its high-precision values."""
 
     def __init__(self, name: str, fsdp_param: Any, group: Any, recipe: Recipe, owner: Any):
         self.name, self.fsdp_param, self.group, self.recipe = name, fsdp_param, group, recipe
@@ -77,7 +82,7 @@ class _Weight:
         self.rank, self.world, self.pg = torch_compat.fsdp_shard_info(fsdp_param)
         shard = torch_compat.fsdp_padded_shard(fsdp_param)
         self.r_pad, self.cols = shard.shape
-        self.rows = int(fsdp_param.sharded_param.shape[0])
+        self.rows = int(torch_compat.fsdp_sharded_param(fsdp_param).shape[0])
         self.orients = orientations(recipe)
         self.blocks = [block_shape((self.rows, self.cols), c, d) for c, d in self.orients]
         # fp4 codes two a byte where the rows divide evenly and every copy is fp4: FSDP2 sizes
@@ -87,8 +92,8 @@ class _Weight:
         fp4 = all(cast.dtype == E2M1 for cast, _ in self.orients)
         self.packed = [even and fp4 for _ in self.orients]
         self.scales: list[tuple[torch.Tensor, torch.Tensor | None, torch.Tensor]] = []
-        self.version = -1
-        self.payload = Payload(name, tuple(c for c, _ in self.orients))
+        casts = tuple(c for c, _ in self.orients)
+        self.payload = Payload(name, casts, self.high, owner.count_recast)
         self.inner: dict[int, torch.Tensor] = {}  # NVFP4's unpacked codes, refilled in place
 
     # ------------------------------------------------------------------ geometry
@@ -111,6 +116,18 @@ class _Weight:
         shard = torch_compat.fsdp_padded_shard(self.fsdp_param)
         return shard.to(torch_compat.fsdp_param_dtype(self.fsdp_param))
 
+    def high(self) -> torch.Tensor:
+        """The whole weight in the parameter dtype, all-gathered from the shards: bit for bit
+        the weight FSDP2's own gather gives (what a reader other than the recipe's matmul
+        gets). One collective on the mesh's group, counted; the values are kept until the
+        next gather of any ruled weight (at most one weight's at a time)."""
+        self.owner.keep(self.payload)
+        shard = self.hp_shard().contiguous()
+        out = shard.new_empty(self.world * shard.numel())
+        _all_gather(out, shard.view(-1), group=self.pg)
+        self.owner.high_gathers += 1
+        return out.view(self.world * self.r_pad, self.cols)[: self.rows]
+
     # ------------------------------------------------------------------ scales
     def partials(self) -> list[torch.Tensor]:
         """Per orientation, the maxima of this rank's part of each block row it touches
@@ -121,7 +138,7 @@ class _Weight:
         for i, (cast, _) in enumerate(self.orients):
             br, bc = self.blocks[i]
             b0, b1 = self.touched(i, self.rank)
-            rowmax = x[: hi - lo].abs().reshape(hi - lo, -1, bc).amax(-1).float()
+            rowmax = x[: hi - lo].abs().reshape(hi - lo, self.cols // bc, bc).amax(-1).float()
             part = torch.zeros(self.slots(i), self.cols // bc, device=x.device)
             for b in range(b0, b1) if br > self.r_pad else ():  # few blocks, each larger
                 rows = rowmax[max(lo, b * br) - lo : min(hi, (b + 1) * br) - lo]
@@ -173,8 +190,7 @@ class _Weight:
     def pre_all_gather(
         self, mesh: Any, outer_size: Any, outer_stride: Any, module: Any, mp_policy: Any
     ) -> tuple[tuple[torch.Tensor, ...], tuple[int, ...]]:
-        if not self.scales:
-            self.owner.refresh()
+        self.owner.before_gather(self)
         carried = self.carried()
         inputs = tuple(self.codes(i) for i in carried)
         nbytes = sum(t.numel() for t in inputs)
@@ -193,11 +209,12 @@ class _Weight:
         *,
         out: torch.Tensor | None = None,
     ) -> tuple[torch.Tensor, list[torch.Tensor]] | None:
-        self.payload.copies = {}
+        copies = {}
         for raw, i in zip(outputs, carried, strict=True):
             codes = self._codes_of(i, raw[: self.rows])
             scale, tensor_scale, amax = self.scales[i]
-            self.payload.copies[i] = Quantized(codes, scale, tensor_scale, amax, self.blocks[i])
+            copies[i] = Quantized(codes, scale, tensor_scale, amax, self.blocks[i])
+        self.payload.refill(copies)
         if out is not None:
             return None
         device = outputs[0].device
@@ -216,93 +233,111 @@ class _Weight:
 
 
 class LowPrecisionGather:
-    """What :func:`gather_low_precision` set up: the ruled weights, and what went on the wire.
+    """What :func:`set_up` set up: the ruled weights, and what went on the wire.
 
     Attributes:
         names: the Linears whose weights gather in their recipe's format.
+        recipes: the recipe each of them gathers in (by name), as the forward's resolver rules
+            them under the policy given.
         recompute: both copies of a rowwise weight travel in every gather.
-        collectives: the scale collectives issued (at most one per optimizer step).
+        collectives: the scale collectives issued (one per forward run in a region with module
+            rules; else one per gather of an FSDP2 group of ruled weights outside backward).
         scale_bytes: bytes this rank put into them.
         gathers: the weights' all-gathers (one per weight per gather).
         gather_bytes: bytes this rank put into them (each goes to ``world - 1`` ranks).
+        recasts: matmuls whose rule wanted another cast than the gathered one (a forward under
+            another policy): they cast the weight's own values instead.
+        high_gathers: all-gathers of a weight's high-precision values, for a reader other than
+            its rule's matmul (at most one per weight per gather).
 
     Host sync: none.
     """
 
-    def __init__(self, model: nn.Module, recompute: bool) -> None:
+    def __init__(self, model: nn.Module, recompute: bool, forward: Callable[[], object]) -> None:
         self.model, self.recompute = model, recompute
+        self.running = forward  # the forward now running (None: unknown)
         self.weights: list[_Weight] = []
+        self.groups: dict[int, list[_Weight]] = {}  # by FSDP2 group, in its gather order
         #: Ruled Linears gathered in the parameter dtype: their recipe reads the weight in
         #: high precision in fprop or dgrad (a rule per matmul such as ``"bf16/fp8/fp8"``).
         self.high_precision: list[str] = []
         self.collectives = self.scale_bytes = self.gathers = self.gather_bytes = 0
-        self.stepped = False  # an optimizer stepped over a ruled weight since the last refresh
-
-    def watch_steps(self) -> None:
-        """Mark the scales stale after every optimizer step that holds a ruled weight (a global
-        step hook; those of collected handles are removed here, never while hooks run).
-
-        Host sync: none.
-        """
-        me = weakref.ref(self)
-
-        def after_step(optimizer: torch.optim.Optimizer, args: Any, kwargs: Any) -> None:
-            handle = me()
-            if handle is None or handle.stepped:
-                return
-            ids = {id(w.fsdp_param.sharded_param) for w in handle.weights}  # as FSDP2 holds them
-            if any(id(p) in ids for g in optimizer.param_groups for p in g["params"]):
-                handle.stepped = True
-
-        for ref, hook in [h for h in _STEP_HOOKS if h[0]() is None]:
-            hook.remove()
-            _STEP_HOOKS.remove((ref, hook))
-        _STEP_HOOKS.append((me, register_optimizer_step_post_hook(after_step)))
+        self.recasts = self.high_gathers = 0
+        self.forward: object = None  # the forward the scales were last exchanged for
+        self.kept: Payload | None = None  # the one payload holding its weight's own values
 
     @property
     def names(self) -> list[str]:
         """The ruled Linears, in model order. Host sync: none."""
         return [w.name for w in self.weights]
 
+    @property
+    def recipes(self) -> dict[str, str]:
+        """The recipe each ruled Linear gathers in. Host sync: none."""
+        return {w.name: w.recipe.name for w in self.weights}
+
     def count_gather(self, nbytes: int) -> None:
         """Count one weight all-gather of ``nbytes`` from this rank. Host sync: none."""
         self.gathers += 1
         self.gather_bytes += nbytes
 
-    def refresh(self, force: bool = True) -> bool:
-        """Recompute every weight's scales with one collective (a forward runs it itself after
-        an optimizer step over the weights); with ``force=False``, only if they changed. Call it
-        on every rank after changing the weights some other way (``p.data`` writes, a copy
-        into the local shards): only in-place ops on the parameters themselves are seen.
+    def count_recast(self) -> None:
+        """Count one matmul that cast the weight's own values. Host sync: none."""
+        self.recasts += 1
+
+    def keep(self, payload: Payload) -> None:
+        """Let ``payload`` hold its weight's own values, the payload that held some drop them.
+
+        Host sync: none.
+        """
+        if self.kept is not None and self.kept is not payload:
+            self.kept.high = None
+        self.kept = payload
+
+    def before_gather(self, weight: _Weight) -> None:
+        """Refresh the scales before the first gather of each forward outside backward (a
+        backward gather and a recomputed forward use the forward's): of every ruled weight
+        once per forward where the region tells one forward from the next (its outermost
+        module call), else of the gathered group at each of its gathers.
 
         Host sync: none (the collective is queued on the mesh's group).
         """
-        versions = [torch_compat.version_counter(w.fsdp_param.sharded_param) for w in self.weights]
-        same = all(v == w.version for v, w in zip(versions, self.weights, strict=True))
-        if not force and same and not self.stepped:
-            return False
-        self.stepped = False
-        parts = [w.partials() for w in self.weights]
+        self.keep(weight.payload)  # any other weight's own values are dropped at each gather
+        group = self.groups[id(weight.group)]
+        if weight is not group[0]:
+            return
+        if torch_compat.running_backward():
+            if not weight.scales:
+                self.refresh(group)
+            return
+        forward = self.running()
+        if forward is None or forward is not self.forward:
+            self.refresh(group if forward is None else self.weights)
+        self.forward = forward  # held, so that no later call can take its id
+
+    def refresh(self, weights: list[_Weight]) -> None:
+        """Recompute the scales of ``weights`` from the shards as they are, with one collective
+        (each rank calls it at the same gather).
+
+        Host sync: none (the collective is queued on the mesh's group).
+        """
+        parts = [w.partials() for w in weights]
         flat, layout = _pack(parts)
-        world = self.weights[0].world
+        world = weights[0].world
         everyone = flat.new_empty(world * flat.numel())
-        _all_gather(everyone, flat, group=self.weights[0].pg)
+        _all_gather(everyone, flat, group=weights[0].pg)
         self.collectives += 1
         self.scale_bytes += flat.numel()
         ranks = [_unpack(row, layout, parts) for row in everyone.view(world, -1)]
-        for j, (w, v) in enumerate(zip(self.weights, versions, strict=True)):
+        for j, w in enumerate(weights):
             w.combine([r[j] for r in ranks])
-            w.version = v
-        return True
 
     def __repr__(self) -> str:
         return (
             f"LowPrecisionGather({len(self.weights)} weights, collectives={self.collectives}, "
-            f"gather_bytes={self.gather_bytes}, scale_bytes={self.scale_bytes})"
+            f"gather_bytes={self.gather_bytes}, scale_bytes={self.scale_bytes}, "
+            f"recasts={self.recasts}, high_gathers={self.high_gathers})"
         )
-
-
-_STEP_HOOKS: list[tuple[weakref.ref[LowPrecisionGather], Any]] = []
 
 
 def _all_gather(out: torch.Tensor, inp: torch.Tensor, group: Any) -> None:
@@ -339,37 +374,23 @@ def _unpack(
     return out
 
 
-def _ruled_linears(model: nn.Module, policy: Policy) -> Iterator[tuple[str, nn.Linear, str]]:
-    """``(name, Linear, recipe)`` of every Linear whose nearest rule is of the fp8 family."""
-    modules = dict(model.named_modules())
-    for name, module in modules.items():
-        if not isinstance(module, nn.Linear):
-            continue
-        parts = name.split(".") if name else []
-        for depth in range(len(parts), -1, -1):
-            qual = ".".join(parts[:depth])
-            rule = policy.module_rule(modules[qual], qual)
-            if rule is not None:
-                if rule.fp8_family and rule.recipe is not None:
-                    yield name, module, rule.recipe
-                break
-
-
-def gather_low_precision(
-    model: nn.Module, policy: Policy, *, recompute: bool = False
+def set_up(
+    model: nn.Module,
+    ruled: Iterable[tuple[str, nn.Linear, str]],
+    rules: str,
+    forward: Callable[[], object],
+    recompute: bool,
 ) -> LowPrecisionGather:
-    """Make FSDP2 all-gather each Linear that ``policy`` runs in a low-precision recipe as its
-    recipe's codes (scales exchanged once per optimizer step), bit for bit the run without it.
-
-    Call it once, after ``fully_shard`` and before the first forward; run the forwards inside
-    ``mixprec.autocast(..., policy=policy)`` as without it. The parameters stay plain (sharded)
-    tensors: the optimizer, ``state_dict`` and ``torch.distributed.checkpoint`` are unchanged.
+    """Make FSDP2 all-gather the weight of each ``(name, Linear, recipe)`` of ``ruled`` (read
+    after the checks) in its recipe's codes: what ``mixprec.distributed.gather_low_precision``
+    does once it asked the forward's resolver (the fp8 package does not import autocast).
 
     Args:
         model: the root module ``fully_shard`` was applied to.
-        policy: the :class:`~mixprec.Policy` the forwards run under.
-        recompute: the forward of a rowwise-ruled Linear is recomputed in backward (activation
-            checkpointing): its backward gather then carries both copies of the weight.
+        ruled: the Linears with an fp8-family rule, as the forward's resolver rules them.
+        rules: the policy, as the messages name it.
+        forward: the forward now running (a new object for each forward, None where unknown).
+        recompute: both copies of a rowwise weight travel in every gather.
 
     Returns:
         A :class:`LowPrecisionGather` (what went on the wire).
@@ -378,9 +399,6 @@ def gather_low_precision(
         ConfigError: ``model`` is not a ``fully_shard`` root, has been run already, no Linear is
             ruled, a ruled weight is not sharded by FSDP2 (or offloaded, or sharded along
             ``in_features``), or its features do not fit its recipe's blocks.
-
-    Example:
-        >>> # doc: needs torch.distributed (see docs/distributed.md for a 2-process run)
 
     Host sync: none.
     """
@@ -391,29 +409,40 @@ def gather_low_precision(
             f"gather_low_precision needs the root module fully_shard was applied to, got "
             f"{type(model).__name__}: call fully_shard(model) on the root first"
         )
-    handle = LowPrecisionGather(model, recompute)
+    handle = LowPrecisionGather(model, recompute, forward)
     torch_compat.fsdp_lazy_init(model)
-    ruled = {id(m): (name, get_recipe(r)) for name, m, r in _ruled_linears(model, policy)}
-    high = [ruled.pop(key)[0] for key, (_, r) in list(ruled.items()) if not _weight_low(r)]
+    by_id = {id(m): (name, get_recipe(r)) for name, m, r in ruled}
+    high = [by_id.pop(key)[0] for key, (_, r) in list(by_id.items()) if not _weight_low(r)]
     handle.high_precision = sorted(high)
-    if not ruled:
+    if not by_id:
         why = f" (those ruled read their weight in high precision: {high[:5]})" if high else ""
         raise ConfigError(
-            f"no Linear of the model is ruled by a low-precision recipe in {policy}{why}"
+            f"no Linear of the model is ruled by a low-precision recipe in {rules}{why}"
         )
-    for module in model.modules():
-        group = torch_compat.fsdp_param_group(module) if isinstance(module, FSDPModule) else None
-        for fsdp_param in group.fsdp_params if group is not None else ():
-            owner, attr = torch_compat.fsdp_param_owner(fsdp_param)
-            if attr == "weight" and id(owner) in ruled:
-                name, recipe = ruled.pop(id(owner))
-                _check(name, fsdp_param, recipe)
-                handle.weights.append(_Weight(name, fsdp_param, group, recipe, handle))
-    if ruled:
-        names = sorted(name for name, _ in ruled.values())
+    _collect(handle, by_id)
+    if by_id:
+        names = sorted(name for name, _ in by_id.values())
         raise ConfigError(f"ruled Linears not sharded by fully_shard: {names}; shard them first")
     _attach(handle)
     return handle
+
+
+def _collect(handle: LowPrecisionGather, ruled: dict[int, tuple[str, Recipe]]) -> None:
+    """Take each ruled Linear's weight out of ``ruled`` into ``handle``, by FSDP2 group (a
+    weight shared by several ruled Linears gathers in the first one's recipe)."""
+    from torch.distributed.fsdp import FSDPModule
+
+    for module in handle.model.modules():
+        group = torch_compat.fsdp_param_group(module) if isinstance(module, FSDPModule) else None
+        for fsdp_param in torch_compat.fsdp_params(group) if group is not None else ():
+            owners = torch_compat.fsdp_param_owners(fsdp_param)
+            found = [ruled.pop(id(o)) for o, attr in owners if attr == "weight" and id(o) in ruled]
+            if found:
+                name, recipe = found[0]
+                _check(name, fsdp_param, recipe)
+                weight = _Weight(name, fsdp_param, group, recipe, handle)
+                handle.weights.append(weight)
+                handle.groups.setdefault(id(group), []).append(weight)
 
 
 def _weight_low(recipe: Recipe) -> bool:
@@ -424,7 +453,7 @@ def _weight_low(recipe: Recipe) -> bool:
 
 
 def _check(name: str, fsdp_param: Any, recipe: Recipe) -> None:
-    shape = tuple(fsdp_param.sharded_param.shape)
+    shape = tuple(torch_compat.fsdp_sharded_param(fsdp_param).shape)
     _, k, n = recipe.multiples()
     where = f"Linear {name!r} (out_features={shape[0]}, in_features={shape[1]})"
     if shape[1] % k or shape[0] % n:
@@ -447,10 +476,3 @@ def _attach(handle: LowPrecisionGather) -> None:
         raise ConfigError("the ruled weights are sharded over different process groups")
     for w in handle.weights:
         torch_compat.fsdp_attach_extension(w.fsdp_param, w.pre_all_gather, w.post_all_gather)
-    handle.watch_steps()
-
-    @torch_compat.dynamo_disable
-    def before_forward(module: nn.Module, args: Any) -> None:
-        handle.refresh(force=False)
-
-    handle.model.register_forward_pre_hook(before_forward, prepend=True)

@@ -211,7 +211,7 @@ class Fp8Linear(torch.autograd.Function):
             out = _hp_mm(plan, x2d, weight.t(), r.high[0], bias)
         else:
             qx = _cast(plan, x2d, r.x, 1, _INPUT, True, record)
-            qw = gathered(weight, 1) or _cast(plan, weight, r.w, 1, _WEIGHT, True, record)
+            qw = gathered(weight, 1, r.w) or _cast(plan, weight, r.w, 1, _WEIGHT, True, record)
             out = _mm(plan, Side(qx, r.x), Side(qw, r.w, True), fast_accum=True, count=record)
         need_x, need_w = ctx.needs_input_grad[0], ctx.needs_input_grad[1]
         keep_x = _save(qx if _shared(r.x, r.x_gw) else None, x2d)
@@ -266,7 +266,7 @@ def _backward(
                 assert w_hp is not None
                 # (its inf/NaN counted here when the forward did not cast it: fprop in hp)
                 first = r.w is None
-                qw = gathered(w_hp, 0) or _cast(plan, w_hp, r.w_gi, 0, _WEIGHT, first, True)
+                qw = gathered(w_hp, 0, r.w_gi) or _cast(plan, w_hp, r.w_gi, 0, _WEIGHT, first, True)
             dx = _mm(plan, Side(qdy, r.dy_gi), Side(qw, r.w_gi))
     if needs[1]:
         x_hp, qx = x
