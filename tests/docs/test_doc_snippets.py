@@ -487,6 +487,11 @@ SHARED = [
     ("docs/lightning.md", "examples/lightning_regressor.py", ("Regressor",)),
     ("docs/lightning.md", "examples/lightning_regressor.py", ("overflowing_data",)),
     ("docs/transformers.md", "examples/hf_trainer.py", ("Tokens", "tiny_gpt2", "trainer_for")),
+    (
+        "docs/transformers.md",
+        "examples/hf_trainer_fp8.py",
+        ("small_gpt2", "TokenBatches", "fp8_trainer"),
+    ),
 ]
 
 
