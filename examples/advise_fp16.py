@@ -3,8 +3,8 @@
 A block with large weights (think of a layer pretrained in bf16) produces activations around
 1e5, above fp16's maximum of 65504; a LayerNorm brings them back. ``mixprec.advise`` with the
 candidate fp16 names that layer (``block.fc``) and proposes keeping it in fp32, with the loss
-scale to train with; the model is docs/advisor.md's first walk-through, whose later snippets
-import it from here.
+scale to train with; the model is docs/advisor.md's first walk-through (its blocks show the same
+code: tests/docs/test_doc_snippets.py holds them equal).
 
 Run: ``python examples/advise_fp16.py``, or from the command line::
 

@@ -1,5 +1,6 @@
 """The 🤗 transformers ``Trainer`` with mixprec's scaler: the model, data and Trainer of
-docs/transformers.md, whose snippets import them from here.
+docs/transformers.md (its blocks show the same code: tests/docs/test_doc_snippets.py holds
+them equal).
 
 A tiny randomly initialised GPT-2 (nothing is downloaded) trained for 8 steps with
 ``fp16=True, use_cpu=True``, which alone would train in fp32; ``use_mixprec_scaler`` between

@@ -1,5 +1,5 @@
-"""Lightning with mixprec's scaler: the model and data of docs/lightning.md, whose snippets
-import them from here.
+"""Lightning with mixprec's scaler: the model and data of docs/lightning.md (its blocks show the
+same code: tests/docs/test_doc_snippets.py holds them equal).
 
 A small regressor trained for one epoch of 4 batches in fp16 on the CPU, through Lightning's
 own ``MixedPrecision`` plugin with a ``mixprec.GradScaler``; the second batch overflows in fp16,

@@ -4,7 +4,9 @@ and prints what the doc says it prints.
 How each snippet runs: written to a file of its own, in a folder of its own (blank lines
 before it, so tracebacks give the doc's line numbers), and run as ``__main__`` by
 tests/forked_runner.py in a process forked from a parent that has imported torch and mixprec
-and nothing else (one thread, default warning filters); two such parents share the snippets.
+and nothing else (one thread, default warning filters); two such parents share the snippets,
+started in the order of the tests, and each test waits for its own snippet's run only (one
+test per snippet: none waits for them all).
 Forking saves each snippet the import of torch (a few seconds) and is equivalent to a fresh
 interpreter for what a snippet can observe: ``test_a_forked_snippet_sees_what_a_fresh_
 interpreter_sees`` runs one snippet both ways and compares the state that matters (modules
@@ -13,8 +15,10 @@ name of another: one that uses a name from a snippet above it fails with a NameE
 differs from a user's paste on purpose (tests/doc_prelude.py): torch's and Python's generators
 start from one fixed seed (a fresh interpreter's torch starts from a random one), so the test
 repeats, and a value the doc shows that depends on an unseeded draw fails here; stdout is
-recorded; the working directory is the snippet's folder (the repository is on ``PYTHONPATH``,
-as for a user in a clone's root).
+recorded. Each snippet runs as a file saved anywhere: its folder is a temporary one outside the
+repository and the working directory, and nothing of the repository is on ``sys.path`` but the
+package (``src``, as installed): a snippet that imports ``examples.*`` or ``tests.*`` fails
+(``test_a_snippet_sees_nothing_of_the_repository_but_the_package``).
 
 What the doc says a snippet prints is checked in two forms:
 
@@ -45,25 +49,25 @@ import os
 import re
 import subprocess
 import sys
-from concurrent.futures import ThreadPoolExecutor
+from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
 
 import pytest
-from tests.forked_runner import FENCE, no_run_reason, python_blocks, run_files
+from tests.forked_runner import FENCE, ForkPool, no_run_reason, python_blocks
 
 ROOT = Path(__file__).resolve().parents[2]
 PAGES = [ROOT / "README.md", *sorted((ROOT / "docs").glob("*.md"))]
 PRELUDE = ROOT / "tests" / "doc_prelude.py"
-PER_SNIPPET_TIMEOUT_S = 120
+#: A test waits for its snippet's run after at most one run ahead of it per runner (below the
+#: per-test timeout of 300 s, by a factor of 3 for the run itself).
+PER_SNIPPET_TIMEOUT_S = 90
 RUNNERS = min(2, os.cpu_count() or 1)  # runner processes at once (each forks one snippet at a time)
 LAST_DIGITS = 2
-#: The snippets run as a user in a clone's root would paste them: the repository on the path
-#: (``from examples.advise_fp16 import ...``), nothing downloaded (docs/transformers.md).
-RUN_ENV = {
-    "PYTHONPATH": os.pathsep.join([str(ROOT / "src"), str(ROOT), os.environ.get("PYTHONPATH", "")]),
-    "HF_HUB_OFFLINE": "1",
-}
+#: The snippets run as a user who saved one to a file anywhere and ran it: the working directory
+#: a temporary folder outside the repository, nothing of the repository on the path but the
+#: package (``src``, as installed), nothing downloaded (docs/transformers.md).
+RUN_ENV = {"PYTHONPATH": str(ROOT / "src"), "HF_HUB_OFFLINE": "1"}
 
 OUTPUT_MARK = re.compile(r"^\s*<!--\s*doc:\s*output\s*-->\s*$")
 PRINTS = re.compile(r"#\s*prints\b:?\s?(?P<text>.*?)\s*$")
@@ -242,35 +246,39 @@ def _read(path: Path) -> str:
     return path.read_text(encoding="utf-8", errors="replace") if path.exists() else ""
 
 
-def _run_share(paths: list[str], folder: Path) -> dict[str, dict[str, object]]:
-    return run_files(paths, "script", str(folder), PER_SNIPPET_TIMEOUT_S, RUN_ENV)
+class SnippetRuns:
+    """The snippets' scripts and the ``ForkPool`` that runs them: each test waits for its own."""
 
+    def __init__(self, folder: Path, group: list[Snippet], first: list[Snippet]) -> None:
+        self.scripts = {s.file_name: write_snippet(s, folder) for s in group if s.skip is None}
+        self.pool = ForkPool(str(folder), PER_SNIPPET_TIMEOUT_S, RUNNERS, RUN_ENV, str(folder))
+        self.pool.submit(str(self.scripts[s.file_name]) for s in first if s.skip is None)
 
-def run_snippets(group: list[Snippet], folder: Path) -> dict[str, Run]:
-    """Run each snippet in its own forked process, the snippets shared between ``RUNNERS``
-    runners at once (every other one to each); results by file name."""
-    scripts = {s.file_name: write_snippet(s, folder) for s in group if s.skip is None}
-    paths = [str(p) for p in scripts.values()]
-    with ThreadPoolExecutor(RUNNERS) as pool:
-        shares = list(
-            pool.map(_run_share, [paths[k::RUNNERS] for k in range(RUNNERS)], [folder] * RUNNERS)
-        )
-    results = {k: v for share in shares for k, v in share.items()}
-    runs = {}
-    for name, script in scripts.items():
-        if name not in results:
-            continue
+    def __getitem__(self, name: str) -> Run:
+        script = self.scripts[name]
+        result = self.pool.result(str(script))
         prints = [json.loads(x) for x in _read(Path(f"{script}.prints.jsonl")).splitlines()]
-        runs[name] = Run(
-            results[name]["rc"],
-            float(str(results[name]["seconds"])),
-            _read(Path(str(results[name]["log"]))),
+        return Run(
+            result["rc"],
+            float(str(result["seconds"])),
+            _read(Path(str(result["log"]))),
             _read(Path(f"{script}.stdout")),
             prints,
         )
-    stderr = "\n".join(str(share["__runner__"]["stderr"]) for share in shares)
-    runs["__runner__"] = Run([share["__runner__"]["rc"] for share in shares], 0.0, stderr, "", [])
-    return runs
+
+
+def _in_test_order(items: list[pytest.Item], cases: list[Snippet]) -> list[Snippet]:
+    """The snippets of the selected tests, in the order the tests run (the runner's cases once,
+    where the first test that reads them runs)."""
+    order: list[Snippet] = []
+    for item in items:
+        params = getattr(item, "callspec", None)
+        snippet = params.params.get("snippet") if params is not None else None
+        if isinstance(snippet, Snippet):
+            order.append(snippet)
+        elif "case_pages" in getattr(item, "fixturenames", ()) and cases[0] not in order:
+            order += cases
+    return order
 
 
 def problems(s: Snippet, run: Run) -> list[str]:
@@ -308,6 +316,14 @@ print(__name__, sys.argv[1:], [k for k in globals() if not k.startswith("__")])
 ```
 """
 
+OUTSIDE_SNIPPET = """```python
+import importlib.util, json, os, sys
+
+found = {name: importlib.util.find_spec(name) is not None for name in ("examples", "tests")}
+print(json.dumps({"cwd": os.getcwd(), "path": sys.path, "importable": found}))
+```
+"""
+
 # Pages that check the runner itself: name -> text.
 RUNNER_CASES = {
     "case-names.md": "```python\nx = 41\n```\n\n```python\nprint(x + 1)  # prints 42\n```\n",
@@ -322,6 +338,7 @@ RUNNER_CASES = {
     ),
     "case-state.md": STATE_SNIPPET,
     "case-skip.md": "```python\n# doc: no-run (needs 2 processes)\nraise SystemExit(9)\n```\n",
+    "case-outside.md": OUTSIDE_SNIPPET,
 }
 
 
@@ -337,20 +354,25 @@ def case_pages(tmp_path_factory: pytest.TempPathFactory) -> dict[str, list[Snipp
 
 @pytest.fixture(scope="module")
 def runs(
-    tmp_path_factory: pytest.TempPathFactory, case_pages: dict[str, list[Snippet]]
-) -> dict[str, Run]:
+    tmp_path_factory: pytest.TempPathFactory,
+    case_pages: dict[str, list[Snippet]],
+    request: pytest.FixtureRequest,
+) -> Iterator[SnippetRuns]:
+    """Starts the runs, in the order of the tests, and returns at once: each test waits for its
+    own snippet's run only."""
     cases = [s for group in case_pages.values() for s in group]
-    return run_snippets(ALL + cases, tmp_path_factory.mktemp("doc-snippets"))
+    first = _in_test_order(request.session.items, cases)
+    runs = SnippetRuns(tmp_path_factory.mktemp("doc-snippets"), ALL + cases, first)
+    yield runs
+    runs.pool.close()
 
 
 @pytest.mark.parametrize("snippet", ALL, ids=[s.where for s in ALL])
 def test_snippet_runs_on_its_own_and_prints_what_the_doc_shows(
-    snippet: Snippet, runs: dict[str, Run]
+    snippet: Snippet, runs: SnippetRuns
 ) -> None:
     if snippet.skip is not None:
         pytest.skip(f"{snippet.where}: {snippet.skip}")
-    runner = runs["__runner__"].log
-    assert snippet.file_name in runs, f"the runner stopped before {snippet.where}: {runner}"
     wrong = problems(snippet, runs[snippet.file_name])
     assert not wrong, "\n".join(wrong)
 
@@ -361,12 +383,12 @@ def test_no_run_markers_give_a_reason(page: Path) -> None:
         assert s.skip != "", f"{s.where}: write why next to '# doc: no-run (...)'"
 
 
-def _problems(case: list[Snippet], runs: dict[str, Run]) -> list[list[str]]:
+def _problems(case: list[Snippet], runs: SnippetRuns) -> list[list[str]]:
     return [problems(s, runs[s.file_name]) for s in case]
 
 
 def test_a_snippet_does_not_see_the_names_of_the_one_above(
-    case_pages: dict[str, list[Snippet]], runs: dict[str, Run]
+    case_pages: dict[str, list[Snippet]], runs: SnippetRuns
 ) -> None:
     first, second = _problems(case_pages["case-names.md"], runs)
     assert first == []
@@ -375,7 +397,7 @@ def test_a_snippet_does_not_see_the_names_of_the_one_above(
 
 
 def test_prints_comments_are_checked_line_by_line(
-    case_pages: dict[str, list[Snippet]], runs: dict[str, Run]
+    case_pages: dict[str, list[Snippet]], runs: SnippetRuns
 ) -> None:
     (wrong,) = _problems(case_pages["case-prints.md"], runs)
     assert len(wrong) == 1, wrong  # 6 * 7 is 42; the loop's line printed 0.0 and 0.333...
@@ -384,7 +406,7 @@ def test_prints_comments_are_checked_line_by_line(
 
 
 def test_output_blocks_are_the_whole_stdout(
-    case_pages: dict[str, list[Snippet]], runs: dict[str, Run]
+    case_pages: dict[str, list[Snippet]], runs: SnippetRuns
 ) -> None:
     good, bad = _problems(case_pages["case-output.md"], runs)
     assert good == []  # 1.234 shown as 1.23, other padding
@@ -400,18 +422,36 @@ def test_a_no_run_snippet_is_reported_skipped_with_its_reason(
 
 
 def test_a_forked_snippet_sees_what_a_fresh_interpreter_sees(
-    case_pages: dict[str, list[Snippet]], runs: dict[str, Run], tmp_path: Path
+    case_pages: dict[str, list[Snippet]], runs: SnippetRuns, tmp_path: Path
 ) -> None:
     """The fork's equivalence, on what a snippet can observe (the seed is the prelude's, in
-    both); a fresh interpreter from the repository root, as a user in a clone."""
+    both); a fresh interpreter started outside the repository, as a user who saved the block."""
     (s,) = case_pages["case-state.md"]
     forked = runs[s.file_name]
     assert forked.rc == 0, forked.log
     script = write_snippet(s, tmp_path)
     env = {**os.environ, "OMP_NUM_THREADS": "1", **RUN_ENV}
-    fresh = subprocess.run([sys.executable, str(script)], env=env, cwd=ROOT, capture_output=True)
+    fresh = subprocess.run(
+        [sys.executable, str(script)], env=env, cwd=tmp_path, capture_output=True
+    )
     assert fresh.returncode == 0, fresh.stderr.decode()[-3000:]
     assert forked.stdout == Path(f"{script}.stdout").read_text(encoding="utf-8")
+
+
+def test_a_snippet_sees_nothing_of_the_repository_but_the_package(
+    case_pages: dict[str, list[Snippet]], runs: SnippetRuns
+) -> None:
+    """As a block saved to a file anywhere and run: ``examples`` and ``tests`` cannot be imported,
+    the working directory is outside the repository, and the only path entry inside it is
+    ``src`` (the package, as installed)."""
+    (s,) = case_pages["case-outside.md"]
+    run = runs[s.file_name]
+    assert run.rc == 0, run.log
+    seen = json.loads(run.stdout)
+    assert seen["importable"] == {"examples": False, "tests": False}, seen
+    assert not Path(seen["cwd"]).resolve().is_relative_to(ROOT), seen["cwd"]
+    inside = {Path(p).resolve() for p in seen["path"] if Path(p).resolve().is_relative_to(ROOT)}
+    assert inside <= {ROOT / "src"}, inside
 
 
 @pytest.mark.parametrize(
@@ -439,11 +479,19 @@ def test_the_tolerances(doc: str, run: str, same: bool) -> None:
     assert (text_differences(doc, run) == []) is same
 
 
-#: Code a page shows and an example holds for the page's later snippets to import: the same.
+#: Code a page's blocks show (each block holding what it uses, so that it runs on its own) and an
+#: example holds: the same in every block that shows it.
 SHARED = [
-    ("docs/advisor.md", "examples/advise_fp16.py", ("Block", "Net", "loss_fn")),
+    ("docs/advisor.md", "examples/advise_fp16.py", ("Net", "Block", "loss_fn")),
+    ("docs/advisor.md", "examples/advise_gpt.py", ("GPT", "Block", "SelfAttention", "make_gpt")),
     ("docs/lightning.md", "examples/lightning_regressor.py", ("Regressor",)),
+    ("docs/lightning.md", "examples/lightning_regressor.py", ("overflowing_data",)),
     ("docs/transformers.md", "examples/hf_trainer.py", ("Tokens", "tiny_gpt2", "trainer_for")),
+    (
+        "docs/transformers.md",
+        "examples/hf_trainer_fp8.py",
+        ("small_gpt2", "TokenBatches", "fp8_trainer"),
+    ),
 ]
 
 
@@ -460,11 +508,11 @@ def _definitions(code: str) -> dict[str, str]:
 def test_the_code_a_page_shows_is_the_example_its_snippets_import(
     page: str, example: str, names: tuple[str, ...]
 ) -> None:
-    shown: dict[str, str] = {}
-    for s in snippets(ROOT / page):
-        shown |= _definitions(s.code)
+    """Each block that shows the first name shows every name as the example defines it."""
     held = _definitions((ROOT / example).read_text(encoding="utf-8"))
-    for name in names:
+    blocks = [shown for s in snippets(ROOT / page) if names[0] in (shown := _definitions(s.code))]
+    assert blocks, f"{page} shows no `{names[0]}`"
+    for shown, name in ((shown, name) for shown in blocks for name in names):
         assert name in shown and shown[name] == held[name], (
             f"{page} shows `{name}` and {example} defines it: make them the same code"
         )

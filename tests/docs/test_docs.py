@@ -70,3 +70,24 @@ def test_readme_keeps_the_quick_start_and_links() -> None:
     assert "make demo" in readme and "make test" in readme
     for target in re.findall(r"\]\(((?:docs|examples)/[^)#]*)", readme):
         assert (ROOT / target).exists(), f"README.md links {target}, which does not exist"
+
+
+GPU_NAME = re.compile(r"\b(?:H100|H200|B200|B300)\b", re.I)
+GPU_NOTE = "performance.md#gpu-figures-predicted-quoted-measured"
+
+
+def test_pages_that_name_a_gpu_say_which_figures_are_predicted_or_measured() -> None:
+    """A page that names a GPU links the note on what is predicted (the speed model), quoted and
+    measured, which says how to measure (``benchmarks/gpu_check.py``); the note's heading is
+    there."""
+    performance = (DOCS / "performance.md").read_text(encoding="utf-8")
+    assert "## GPU figures: predicted, quoted, measured" in performance
+    assert "benchmarks/gpu_check.py" in performance.split("## GPU figures", 1)[1].split("\n## ")[0]
+    naming = [p for p in sorted(DOCS.glob("*.md")) if GPU_NAME.search(p.read_text("utf-8"))]
+    assert naming, "no page names a GPU: the check below checks nothing"
+    missing = [
+        p.name
+        for p in naming
+        if p.name != "performance.md" and GPU_NOTE not in p.read_text(encoding="utf-8")
+    ]
+    assert not missing, f"link [GPU figures...]({GPU_NOTE}) from {missing}"

@@ -5,7 +5,8 @@ Every submodule imports its third-party package only when used, and says which e
 when it is missing; ``import mixprec`` never imports any of them.
 
 * :mod:`mixprec.integrations.lightning`: a precision plugin (``pip install 'mixprec[lightning]'``).
-* :mod:`mixprec.integrations.accelerate`: ``use_mixprec_scaler(accelerator)``
+* :mod:`mixprec.integrations.accelerate`: ``use_mixprec_scaler(accelerator)``, and
+  ``use_mixprec_policy(accelerator or trainer, policy)`` (the 🤗 ``Trainer`` too)
   (``pip install 'mixprec[accelerate]'``).
 * :class:`LoggingHook` (plain ``logging``), :class:`MetricsHook` (any ``log(metrics, step=)``:
   Lightning loggers, ``accelerator.log``, wandb) and

@@ -13,17 +13,27 @@ fixes what a bare assignment gets wrong:
   kernel, so their steps are always called: every skipped step after the first is reported as
   taken, and the LR schedule runs on. The helper answers from
   ``scaler.last_step_skipped(optimizer)`` instead, which is right for both kinds.
+
+:func:`use_mixprec_policy` trains under a ``mixprec.Policy`` (per-module rules: fp8 recipes,
+layers kept in 16-bit or fp32; the advisor's ``advice.policy``): ``with accelerator.autocast():``
+enters ``mixprec.autocast(device, dtype, policy=policy)`` inside accelerate's own autocast, and
+given a 🤗 ``Trainer`` (``use_mixprec_policy(trainer, advice.policy, advice.dtype)``) every loss
+the Trainer computes runs in it.
 """
 
 from __future__ import annotations
 
+import contextlib
+from collections.abc import Iterator
 from typing import Any
+
+import torch
 
 from mixprec._src.deps import require
 from mixprec._src.scaling.grad_scaler import GradScaler
 from mixprec.errors import ConfigError, ScalerStateError
 
-__all__ = ["use_mixprec_scaler"]
+__all__ = ["use_mixprec_policy", "use_mixprec_scaler"]
 
 _PURPOSE = "mixprec.integrations.accelerate"
 # Engines that scale the loss themselves.
@@ -74,6 +84,91 @@ def use_mixprec_scaler(accelerator: Any, scaler: GradScaler | None = None) -> Gr
     accelerator.native_amp = True
     _patch_prepare_optimizer(accelerator)
     return scaler
+
+
+_MIXED_DTYPES = {"fp16": torch.float16, "bf16": torch.bfloat16}
+
+
+def use_mixprec_policy(target: Any, policy: Any, dtype: torch.dtype | None = None) -> Any:
+    """Train under ``policy``: ``with accelerator.autocast():`` enters its region; given a 🤗
+    ``Trainer``, so does every loss the Trainer computes (training and evaluation).
+
+    The region is ``mixprec.autocast(accelerator.device.type, dtype, policy=policy)``, entered
+    inside accelerate's own autocast. It must be entered before the model is called: module
+    names in the policy are relative to the outermost module called in it (the names
+    ``mixprec.advise`` reports for that model). So with accelerate alone write the forward as
+    ``with accelerator.autocast(): loss = loss_fn(model, batch)``; the Trainer does this itself
+    (its ``compute_loss_context_manager``). Call it before training, at any point around
+    ``prepare()``.
+
+    Args:
+        target: an ``accelerate.Accelerator``, or a ``transformers.Trainer`` (its
+            ``accelerator`` is the one used).
+        policy: a ``mixprec.Policy`` or its string (``advice.policy``, ``str(advice.policy)``).
+        dtype: the region's 16-bit dtype (``advice.dtype``). Default: the accelerator's
+            ``mixed_precision`` (``"bf16"`` or ``"fp16"``); required when that is ``"no"``.
+
+    Returns:
+        The ``mixprec.Policy`` in use.
+
+    Raises:
+        ConfigError: a policy that does not parse, a ``dtype`` that is not a 16-bit float or
+            disagrees with the accelerator's ``mixed_precision``, or accelerate's own fp8
+            (which replaces the Linears).
+
+    Host sync: none.
+    """
+    require("accelerate", "accelerate", _PURPOSE)
+    from mixprec._src.autocast.policy import Policy
+
+    accelerator = getattr(target, "accelerator", target)
+    rules = policy if isinstance(policy, Policy) else Policy(policy)
+    region = _policy_dtype(accelerator, dtype)
+    _patch_autocast(accelerator, accelerator.device.type, region, rules)
+    if target is not accelerator:  # the Trainer's loss context: its accelerator's autocast
+
+        def autocast_smart_context_manager(cache_enabled: bool | None = True) -> Any:
+            return accelerator.autocast()
+
+        target.autocast_smart_context_manager = autocast_smart_context_manager
+    return rules
+
+
+def _policy_dtype(accelerator: Any, dtype: torch.dtype | None) -> torch.dtype:
+    mixed = str(getattr(accelerator, "mixed_precision", "no"))
+    if mixed not in ("no", *_MIXED_DTYPES):
+        raise ConfigError(
+            f"use_mixprec_policy with Accelerator(mixed_precision={mixed!r}): accelerate's fp8 "
+            "replaces the Linears; use mixed_precision='bf16' and fp8 rules in the policy."
+        )
+    if dtype is not None and dtype not in _MIXED_DTYPES.values():
+        raise ConfigError(f"dtype={dtype}: pass torch.bfloat16 or torch.float16 (advice.dtype)")
+    own = _MIXED_DTYPES.get(mixed)
+    if dtype is None and own is None:
+        raise ConfigError(
+            "use_mixprec_policy: Accelerator(mixed_precision='no') has no 16-bit dtype; pass "
+            "dtype=advice.dtype (or build the Accelerator with mixed_precision='bf16')."
+        )
+    if dtype is not None and own is not None and dtype != own:
+        raise ConfigError(
+            f"use_mixprec_policy: dtype={dtype} but mixed_precision={mixed!r} "
+            f"({own}): make them agree (mixed_precision='bf16' for an fp8 policy's advice)."
+        )
+    return dtype if dtype is not None else own  # type: ignore[return-value]
+
+
+def _patch_autocast(accelerator: Any, device: str, dtype: torch.dtype, policy: Any) -> None:
+    original = getattr(accelerator, "_mixprec_autocast", accelerator.autocast)
+
+    @contextlib.contextmanager
+    def autocast(autocast_handler: Any = None) -> Iterator[None]:
+        import mixprec
+
+        with original(autocast_handler), mixprec.autocast(device, dtype, policy=policy):
+            yield
+
+    accelerator._mixprec_autocast = original  # a second call replaces the policy
+    accelerator.autocast = autocast
 
 
 def _check_accelerator(accelerator: Any) -> None:

@@ -11,7 +11,8 @@ Linear modules, their parameters and state dicts are torchtitan's own: checkpoin
 ``state_dict_adapter`` are unchanged. Where there is no FSDP2 (one process, DDP, TP only) the
 policy still applies and nothing is gathered.
 
-Example (the model definitions only; see docs/torchtitan.md for a training loop)::
+Example (a config function's lines; docs/torchtitan.md has the command line, and
+examples/torchtitan_llama3.py trains torchtitan's debug model with it on a CPU)::
 
     from torchtitan.models.llama3 import model_registry
     from mixprec.integrations.torchtitan import MixprecConverter
