@@ -201,7 +201,13 @@ def test_native_policies_follow_the_release() -> None:
 def _entries() -> dict[str, tuple[str, str]]:
     """Each public name torch_compat defines -> (the comment heading its section, its own
     docstring and the comment above it)."""
-    source = Path(tc.__file__).read_text()
+    found: dict[str, tuple[str, str]] = {}
+    for path in sorted(Path(tc.__file__).parent.glob("*.py")):  # the door's files
+        found.update(_entries_of(path.read_text()))
+    return found
+
+
+def _entries_of(source: str) -> dict[str, tuple[str, str]]:
     lines, found, head = source.splitlines(), {}, ""
     starts = {k for k, line in enumerate(lines) if line.startswith("# " + "-" * 64)}
     for node in ast.parse(source).body:
@@ -424,3 +430,41 @@ def test_compiled_inner_holds_the_eager_module() -> None:
     assert tc.is_compiled_module(compiled) and not tc.is_compiled_module(module)
     assert getattr(compiled, tc.COMPILED_INNER) is module
     assert [n for n, _ in compiled.named_modules()] == ["", tc.COMPILED_INNER]
+
+
+def test_global_module_hooks_come_and_go_under_their_first_keys() -> None:
+    """GlobalModuleHooks: added, the hooks run on every module call; removed, torch's global
+    hook dicts are what they were; re-added, under the keys torch gave at the first add."""
+    from torch.nn.modules import module as nn_module
+
+    seen: list[str] = []
+    hooks = tc.GlobalModuleHooks(
+        lambda m, a: seen.append("pre"), lambda m, a, o: seen.append("post")
+    )
+    before = (
+        dict(nn_module._global_forward_pre_hooks),
+        dict(nn_module._global_forward_hooks),
+        dict(nn_module._global_forward_hooks_always_called),
+    )
+    hooks.add()
+    keys = hooks.keys
+    torch.nn.Linear(2, 2)(torch.ones(1, 2))
+    assert seen == ["pre", "post"] and hooks.added()
+    hooks.remove()
+    after = (
+        dict(nn_module._global_forward_pre_hooks),
+        dict(nn_module._global_forward_hooks),
+        dict(nn_module._global_forward_hooks_always_called),
+    )
+    assert after == before and not hooks.added()
+    hooks.add()
+    assert hooks.keys == keys and hooks.added()
+    hooks.remove()
+
+
+def test_compiled_in_place_tells_module_compile_from_a_wrapper() -> None:
+    plain, in_place = torch.nn.Linear(2, 2), torch.nn.Linear(2, 2)
+    in_place.compile(backend="eager")
+    wrapped = torch.compile(torch.nn.Linear(2, 2), backend="eager")
+    assert [tc.compiled_in_place(m) for m in (plain, in_place)] == [False, True]
+    assert not tc.compiled_in_place(wrapped)

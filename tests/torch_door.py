@@ -37,7 +37,7 @@ import torch
 import mixprec
 
 SRC = Path(mixprec.__file__).resolve().parent
-DOOR = SRC / "_src" / "torch_compat.py"
+DOOR = SRC / "_src" / "torch_compat"  # a package: the door, split by concept
 
 _PRIVATE = re.compile(r"^_(?!_\w*__$)[A-Za-z0-9]\w*$")  # _x and __x, not __x__
 _MENTION = re.compile(r"(?<![\w.])\.(_(?!_)[A-Za-z]\w*)")  # "._x" inside a text
@@ -105,6 +105,18 @@ def _sources() -> Iterator[tuple[str, ast.Module]]:
 
 
 DOOR_NAME = str(DOOR.relative_to(SRC))
+
+
+def in_door(path: Path | str) -> bool:
+    """Whether ``path`` (absolute, or relative to ``SRC``) is one of the door's files."""
+    return Path(path).is_relative_to(DOOR) or Path(path).is_relative_to(DOOR_NAME)
+
+
+def door_source() -> str:
+    """The door's source, its files joined."""
+    return "\n".join(p.read_text() for p in sorted(DOOR.rglob("*.py")))
+
+
 SOURCES = [(str(p.relative_to(SRC)), ast.parse(p.read_text())) for p in sorted(SRC.rglob("*.py"))]
 
 
@@ -143,7 +155,7 @@ def _string_constants(tree: ast.Module) -> dict[str, str]:
 
 def _own_names() -> set[str]:
     """The private names mixprec defines, outside the door (whose names wrap torch's)."""
-    defined = set().union(*(_defined(t) for f, t in _sources() if f != DOOR_NAME))
+    defined = set().union(*(_defined(t) for f, t in _sources() if not in_door(f)))
     return {n for n in defined if private(n)} - TORCH_PRIVATE
 
 
@@ -153,7 +165,7 @@ def _layout_names(own: Iterable[str]) -> set[str]:
     from torch.utils.checkpoint import _CheckpointFrame
 
     names = set().union(*(_class_names(c) for c in (FSDPParam, FSDPParamGroup, _CheckpointFrame)))
-    mixprecs = set().union(*(_defined(t) for _, t in _sources()))
+    mixprecs = set().union(*(_defined(t) for f, t in _sources() if not in_door(f)))
     return {n for n in names if not private(n)} - _public_names() - mixprecs - set(own)
 
 
@@ -241,8 +253,8 @@ class _Scan(ast.NodeVisitor):
             self.add(node, "private-attr", node.attr)
         if node.attr in INTROSPECTION:
             self.add(node, "introspection", node.attr)
-        if node.attr in LAYOUT:
-            self.add(node, "layout", node.attr)
+        if node.attr in LAYOUT and self._root(node.value) != ("torch_compat", []):
+            self.add(node, "layout", node.attr)  # the door's own functions may share the name
         self.generic_visit(node)
 
     def _owned(self, receiver: ast.expr) -> bool:
@@ -301,5 +313,5 @@ def package_uses() -> dict[str, list[str]]:
     return {
         str(path.relative_to(SRC)): uses
         for path in sorted(SRC.rglob("*.py"))
-        if path != DOOR and (uses := door_uses(path.read_text()))
+        if not in_door(path) and (uses := door_uses(path.read_text()))
     }

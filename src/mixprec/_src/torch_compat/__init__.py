@@ -27,6 +27,49 @@ from torch.nn.modules.conv import _ConvNd
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_leaves
 
+from mixprec._src.torch_compat.fsdp import (
+    fsdp_attach_extension as fsdp_attach_extension,
+)
+from mixprec._src.torch_compat.fsdp import (
+    fsdp_extension_ready as fsdp_extension_ready,
+)
+from mixprec._src.torch_compat.fsdp import (
+    fsdp_keeps_unsharded as fsdp_keeps_unsharded,
+)
+from mixprec._src.torch_compat.fsdp import (
+    fsdp_lazy_init as fsdp_lazy_init,
+)
+from mixprec._src.torch_compat.fsdp import (
+    fsdp_padded_shard as fsdp_padded_shard,
+)
+from mixprec._src.torch_compat.fsdp import (
+    fsdp_param_dtype as fsdp_param_dtype,
+)
+from mixprec._src.torch_compat.fsdp import (
+    fsdp_param_group as fsdp_param_group,
+)
+from mixprec._src.torch_compat.fsdp import (
+    fsdp_param_owners as fsdp_param_owners,
+)
+from mixprec._src.torch_compat.fsdp import (
+    fsdp_params as fsdp_params,
+)
+from mixprec._src.torch_compat.fsdp import (
+    fsdp_shard_info as fsdp_shard_info,
+)
+from mixprec._src.torch_compat.fsdp import (
+    fsdp_sharded_param as fsdp_sharded_param,
+)
+from mixprec._src.torch_compat.fsdp import (
+    fsdp_unsupported as fsdp_unsupported,
+)
+from mixprec._src.torch_compat.module_hooks import (
+    GlobalModuleHooks as GlobalModuleHooks,
+)
+from mixprec._src.torch_compat.module_hooks import (
+    compiled_in_place as compiled_in_place,
+)
+
 # ---------------------------------------------------------------- kernels, scaling, fp8, devices
 #
 # Checked on torch 2.12.1 (the oldest declared), 2.13.0 (pinned) and 2.14.1 (the newest
@@ -138,66 +181,6 @@ tree_map = _pytree.tree_map
 #: output); fp8/carrier.py lets it through as an alias of the gathered weight. An ATen op, not a
 #: Python API, but private by name. Checked on 2.12.1, 2.13.0, 2.14.1.
 aten_unsafe_view = torch.ops.aten._unsafe_view.default
-
-
-# FSDP2's all-gather extension (fp8/gather.py): ``FSDPParam`` (torch.distributed.fsdp.
-# _fully_shard._fsdp_param), its ``FSDPParamGroup`` and FSDP's state are private. Checked on
-# torch 2.13.
-
-
-def fsdp_param_group(module: Any) -> Any:
-    """The ``FSDPParamGroup`` of an ``FSDPModule`` (None when it manages no parameter)."""
-    return module._get_fsdp_state()._fsdp_param_group
-
-
-def fsdp_lazy_init(module: Any) -> None:
-    """Run FSDP2's lazy initialization of the root now (idempotent; it pads the shards)."""
-    module._get_fsdp_state()._lazy_init()
-
-
-def fsdp_padded_shard(fsdp_param: Any) -> torch.Tensor:
-    """This rank's shard, zero-padded to the rows of the largest shard (2D: rows, cols)."""
-    return fsdp_param._sharded_param_data.view(fsdp_param.padded_sharded_param_size)
-
-
-def fsdp_shard_info(fsdp_param: Any) -> tuple[int, int, Any]:
-    """``(rank, world size, process group)`` of the mesh dimension the parameter is sharded on."""
-    info = fsdp_param.mesh_info
-    return info.shard_mesh_rank, info.shard_mesh_size, info.shard_process_group
-
-
-def fsdp_extension_ready(fsdp_param: Any) -> bool:
-    """Whether the parameter has never been all-gathered (an extension can still be attached)."""
-    return not hasattr(fsdp_param, "_unsharded_param") and not fsdp_param.all_gather_outputs
-
-
-def fsdp_attach_extension(fsdp_param: Any, pre: Any, post: Any) -> None:
-    """Give the sharded local tensor FSDP2's ``fsdp_pre_all_gather``/``fsdp_post_all_gather``
-    (instance attributes: the parameter stays a plain tensor) and let FSDP see them."""
-    local = fsdp_param.sharded_param._local_tensor
-    local.fsdp_pre_all_gather = pre
-    local.fsdp_post_all_gather = post
-    fsdp_param._init_extensions()
-
-
-def fsdp_param_dtype(fsdp_param: Any) -> torch.dtype:
-    """The dtype FSDP2 gathers the parameter in (its MixedPrecisionPolicy's, else its own)."""
-    return fsdp_param.param_dtype or fsdp_param.orig_dtype
-
-
-def fsdp_unsupported(fsdp_param: Any) -> bool:
-    """Whether the parameter is offloaded, sharded along another dim than 0, or on a 2-D mesh."""
-    return bool(
-        fsdp_param.offload_to_cpu
-        or fsdp_param.fsdp_placement.dim != 0
-        or fsdp_param.mesh_info.mesh.ndim != 1
-    )
-
-
-def fsdp_keeps_unsharded(group: Any) -> bool:
-    """Whether the group keeps its parameters unsharded from forward to backward
-    (``reshard_after_forward=False``, and FSDP's root)."""
-    return group.post_forward_mesh_info is None
 
 
 def preserve_version_counter(tensor: torch.Tensor) -> Any:
@@ -582,96 +565,3 @@ def cpu_flash_attention_formulas(
 #: Checked on 2.12.1, 2.13.0 and 2.14.1.
 NORM_BASE: type[_NormBase] = _NormBase
 CONV_BASE: type[_ConvNd] = _ConvNd
-
-
-# --- hooks ---
-class GlobalModuleHooks:
-    """A process-wide forward pre-hook and always-called forward hook, added and removed as a pair
-    under the keys torch gave them at their first registration (torch's public
-    ``register_module_forward_pre_hook``/``register_module_forward_hook``); re-added by writing
-    torch's global hook dicts (``torch.nn.modules.module._global_forward_pre_hooks``,
-    ``_global_forward_hooks``, ``_global_forward_hooks_always_called``). Why the same keys: Dynamo
-    guards a graph that traced the hooks on the keys of those dicts, so fresh keys at each add
-    would recompile every compiled model at every region. Checked on 2.13.0.
-
-    Example:
-        >>> hooks = GlobalModuleHooks(lambda m, a: None, lambda m, a, o: None)
-        >>> hooks.add(); hooks.added()
-        True
-        >>> hooks.remove(); hooks.added()
-        False
-
-    Host sync: none.
-    """
-
-    __slots__ = ("keys", "post", "pre")
-
-    def __init__(self, pre: Callable[..., Any], post: Callable[..., Any]) -> None:
-        self.pre, self.post = pre, post
-        self.keys: tuple[int, int] | None = None
-
-    def add(self) -> None:
-        """Add both hooks (at the end of torch's dicts). Host sync: none."""
-        from torch.nn.modules import module as nn_module
-
-        if self.keys is None:
-            pre = nn_module.register_module_forward_pre_hook(self.pre)
-            post = nn_module.register_module_forward_hook(self.post, always_call=True)
-            self.keys = (pre.id, post.id)
-            return
-        nn_module._global_forward_pre_hooks[self.keys[0]] = self.pre
-        nn_module._global_forward_hooks[self.keys[1]] = self.post
-        nn_module._global_forward_hooks_always_called[self.keys[1]] = True
-
-    def remove(self) -> None:
-        """Remove both hooks (nothing where they are not added). Host sync: none."""
-        from torch.nn.modules import module as nn_module
-
-        if self.keys is None:
-            return
-        nn_module._global_forward_pre_hooks.pop(self.keys[0], None)
-        nn_module._global_forward_hooks.pop(self.keys[1], None)
-        nn_module._global_forward_hooks_always_called.pop(self.keys[1], None)
-
-    def added(self) -> bool:
-        """Whether both hooks are in torch's dicts now. Host sync: none."""
-        from torch.nn.modules import module as nn_module
-
-        pre = self.keys is not None and self.keys[0] in nn_module._global_forward_pre_hooks
-        return pre and self.keys is not None and self.keys[1] in nn_module._global_forward_hooks
-
-
-def compiled_in_place(module: torch.nn.Module) -> bool:
-    """Whether ``module.compile()`` compiled the module in place (its private
-    ``_compiled_call_impl`` is set). Checked on 2.13.0.
-
-    Example:
-        >>> compiled_in_place(torch.nn.Linear(2, 2))
-        False
-
-    Host sync: none.
-    """
-    return module.__dict__.get("_compiled_call_impl") is not None
-
-
-# --- gather ---
-# FSDP2's parameter layout as the low-precision gather (fp8/gather.py) reads it: ``FSDPParam``
-# and ``FSDPParamGroup`` (torch.distributed.fsdp._fully_shard) are private. Checked on 2.13.0.
-
-
-def fsdp_params(group: Any) -> list[Any]:
-    """The ``FSDPParam`` of an ``FSDPParamGroup``, in the order FSDP2 gathers them."""
-    return list(group.fsdp_params)
-
-
-def fsdp_sharded_param(fsdp_param: Any) -> torch.Tensor:
-    """The sharded parameter (a DTensor) FSDP2 registers on the module between gathers."""
-    return fsdp_param.sharded_param
-
-
-def fsdp_param_owners(fsdp_param: Any) -> list[tuple[Any, str]]:
-    """Every ``(module, attribute)`` the parameter is registered under: the module FSDP2 found
-    it on first, then those sharing it (a weight tied between an embedding and a Linear)."""
-    info = fsdp_param._module_info
-    shared = zip(info.shared_modules, info.shared_param_names, strict=True)
-    return [(info.module, info.param_name), *shared]
