@@ -186,7 +186,8 @@ def _global_pre(module: nn.Module, args: Any) -> Any:
     if torch.compiler.is_compiling():
         return None if policy is None else traced_pre(module, policy, frame, args)
     if is_wrapper(module):
-        tls.compiled_next = torch_compat.submodules(module)[torch_compat.COMPILED_INNER]  # its forward compiles
+        inner = torch_compat.submodules(module)[torch_compat.COMPILED_INNER]
+        tls.compiled_next = inner  # its forward compiles
         return None
     compiled = tls.compiled_next is module or torch_compat.compiled_in_place(module)
     tls.compiled_next = None

@@ -11,7 +11,8 @@ from typing import Any
 
 import torch
 
-# ---------------------------------------------------------------- FSDP2's parameters (checked on 2.13.0; CI runs them on 2.12.1 and 2.14.1)
+# ---------------------------------------------------------------- FSDP2's parameters
+# Checked on 2.13.0; CI runs them on 2.12.1 and 2.14.1.
 
 
 # FSDP2's all-gather extension (fp8/gather.py): ``FSDPParam`` (torch.distributed.fsdp.

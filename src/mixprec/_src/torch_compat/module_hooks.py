@@ -11,7 +11,8 @@ from typing import Any
 
 import torch
 
-# ---------------------------------------------------------------- module hooks (checked on 2.13.0; CI runs them on 2.12.1 and 2.14.1)
+# ---------------------------------------------------------------- module hooks
+# Checked on 2.13.0; CI runs them on 2.12.1 and 2.14.1.
 
 
 class GlobalModuleHooks:
