@@ -203,7 +203,8 @@ class Advice:
         init_scale: the suggested ``GradScaler`` initial scale (None when float16 is not used).
         kept_precision: what the kept modules run in (``"fp32"``, or ``"bf16"`` around fp8).
         modules: one :class:`ModuleAdvice` per measured module, in the order they first ran.
-        candidates: the candidate rule words, cheapest first.
+        candidates: the candidate rule words in the cost order (cheapest first, by bits per
+            element; fp16 before bf16), whatever order they were given in.
         min_sqnr: the stated target for the whole-model gradient SQNR (dB), if any.
         keep_at_most: the stated limit on kept modules, if any.
         met: whether the predicted SQNR meets ``min_sqnr`` within the limit.
@@ -252,14 +253,30 @@ class Advice:
         serve are not kept: they get no rule). Host sync: none."""
         return tuple(m.name for m in self.modules if m.served and m.choice == self.kept_precision)
 
-    def table(self) -> str:
-        """The report as a text table (module, size, figures per candidate, decision, why).
+    @property
+    def matmuls(self) -> dict[str, int]:
+        """How many of the measured modules' matmuls (fprop, dgrad, wgrad of each Linear or
+        conv) run in each format under the proposal: ``{"nvfp4": 10, "bf16": 17}``; a module
+        without a rule counts in the region's dtype. Host sync: none."""
+        from mixprec._src.advisor.report.matmuls import matmul_counts
+
+        return matmul_counts(self)
+
+    def table(self, wide: bool = False) -> str:
+        """The report as text: a table of each module's model-grad SQNR per candidate and the
+        decision, in lines of at most 100 characters (module names wrap), each module's reason
+        below it, a legend, the policy, the prediction and the matmuls per format.
+
+        Args:
+            wide: the full table instead: also each module's size, output, input-grad and
+                weight-grad SQNR per candidate, fp16 range and fp8 cast figures, the reason in
+                a column (as wide as it takes).
 
         Host sync: none.
         """
         from mixprec._src.advisor.report.table import render
 
-        return render(self)
+        return render(self, wide)
 
     def to_dict(self) -> dict[str, Any]:
         """The report as plain data (JSON types; infinite SQNRs as the strings ``"inf"`` and
@@ -275,6 +292,7 @@ class Advice:
                 "init_scale": self.init_scale,
                 "kept_precision": self.kept_precision,
                 "kept": list(self.kept),
+                "matmuls": self.matmuls,
                 "candidates": list(self.candidates),
                 "target": {
                     "min_sqnr": self.min_sqnr,
