@@ -20,8 +20,10 @@ from torch import nn
 import mixprec
 from mixprec._src.advisor.arguments import Candidate
 from mixprec._src.advisor.choose.cost import bits, cost_order
+from mixprec._src.advisor.choose.options import PerMatmul, module_choice
 from mixprec._src.advisor.choose.search import Choice, Option, Target, search
 from mixprec._src.advisor.measure.metrics import db_to_ratio
+from mixprec._src.advisor.report.advice import Measurement
 
 SETTINGS = settings(max_examples=8, deadline=None)
 
@@ -173,3 +175,28 @@ def test_a_rule_per_matmul_costs_more_for_each_matmul_in_16_bit() -> None:
     chain = ["nvfp4", "nvfp4/nvfp4/bf16", "nvfp4/bf16/bf16", "bf16"]
     assert [bits(w) for w in chain] == sorted(bits(w) for w in chain)
     assert len({bits(w) for w in chain}) == len(chain)
+
+
+@settings(max_examples=50, deadline=None)
+@given(
+    dbs=st.lists(st.sampled_from([20.0, 25.0, 30.0, 35.0, -math.inf]), min_size=6, max_size=6),
+    order=st.permutations(["fp8", "mxfp8"]),
+)
+def test_a_modules_options_come_cheapest_first_and_most_precise_among_equals(
+    dbs: list[float], order: list[str]
+) -> None:
+    """Per matmul, mixes of equal cost (fp8/fp8/bf16, bf16/fp8/fp8) come the most precise
+    first, so the search's move to the next more precise option never skips a better one of
+    the same cost; the order of the measurements does not matter."""
+    found = {
+        "fp8": Measurement("fp8", 30.0, 25.0, 25.0, 25.0, matmuls=(dbs[0], dbs[1], dbs[2])),
+        "mxfp8": Measurement("mxfp8", 32.0, 27.0, 27.0, 27.0, matmuls=(dbs[3], dbs[4], dbs[5])),
+    }
+    per = PerMatmul("bf16", torch.bfloat16, None, torch.device("cpu"))
+    kept = ("bf16", None, None)
+    choice = module_choice("m", [found[w] for w in order], kept, None, per_matmul=per)
+    options = choice.options[:-1]
+    keys = [(bits(o.word), o.ratio) for o in options]
+    assert keys == sorted(keys)
+    again = module_choice("m", list(found.values()), kept, None, per_matmul=per)
+    assert [o.word for o in again.options] == [o.word for o in choice.options]

@@ -6,8 +6,9 @@ e4m3/e5m2, 4 for e2m1) plus the bits of its block scales spread over each block 
 scale per 32 elements: 8.25; NVFP4's E4M3 scale per 16: 4.5; a scale per tensor or per row:
 none), a matmul the recipe leaves in 16-bit (``rowwise_gw_hp``'s weight gradient, a rule per
 matmul's ``bf16`` part) counting 16. With a GPU the cost is the speed model's predicted time of
-the module in that option, the bits breaking ties. Equal costs are ordered fp16 before bf16 (the
-same bits, fp16 the more precise: bf16 is the fallback where fp16 overflows), then by word.
+the module in that option, the bits breaking ties. A module's options of equal cost come the
+most precise first (its measured error); candidates of equal bits are ordered fp16 before bf16
+(fp16 the more precise: bf16 is the fallback where fp16 overflows), then by word.
 """
 
 from __future__ import annotations

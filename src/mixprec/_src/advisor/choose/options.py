@@ -12,7 +12,8 @@ region's dtype adds none; the region's rounding of the module's input and output
 the fprop figure, so a mix whose fprop is in the region's dtype leaves it out: a few hundredths
 to tenths of a dB), its time the speed model's for that mix. Options come cheapest first in the
 cost order of :mod:`.cost` (with a GPU the predicted time, else the bits per element), never in
-the order the candidates were listed.
+the order the candidates were listed; options of equal cost (``fp8/fp8/bf16`` and
+``bf16/fp8/fp8``) the most precise first.
 """
 
 from __future__ import annotations
@@ -69,7 +70,7 @@ def module_choice(
     options = [_option(m.candidate, _db(m), m.time) for m in runnable]
     if per_matmul is not None:
         options += _mixes(found, gpu, per_matmul)
-    options.sort(key=lambda o: cost_key(o.word, o.time))
+    options.sort(key=_order)
     word, kept_m, kept_time = kept
     options.append(_option(word, math.inf if kept_m is None else _db(kept_m), kept_time))
     if adjust is not None:
@@ -79,6 +80,13 @@ def module_choice(
         assert gpu is not None
         no_option = no_kernel(gpu, [Candidate.of(m.candidate) for m in found])
     return Choice(name, options, detail=overflow_detail(fp16), no_option=no_option)
+
+
+def _order(o: Option) -> tuple[float, float, float, int, str]:
+    """Cheapest first; among options of equal cost, the most precise first (a search that
+    moves to the next more precise option then never takes a worse one of the same cost)."""
+    time, bits, tie, word = cost_key(o.word, o.time)
+    return time, bits, o.ratio, tie, word
 
 
 def _db(m: Measurement) -> float:
