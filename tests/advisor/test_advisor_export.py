@@ -160,3 +160,12 @@ def test_torchtitans_converters_take_the_exported_configs(words: list[str]) -> N
     assert titan.torchao_config == Float8LinearConfig(emulate=True)
     recipe = Float8LinearConfig.from_recipe_name(export.float8["recipe_name"])
     assert recipe == ao.conversions[0].config()
+
+
+def test_docstring_examples_run() -> None:
+    import doctest
+
+    from mixprec._src.advisor.report import advice
+
+    result = doctest.testmod(advice)
+    assert result.failed == 0 and result.attempted >= 1

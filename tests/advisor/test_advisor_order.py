@@ -200,3 +200,12 @@ def test_a_modules_options_come_cheapest_first_and_most_precise_among_equals(
     assert keys == sorted(keys)
     again = module_choice("m", list(found.values()), kept, None, per_matmul=per)
     assert [o.word for o in again.options] == [o.word for o in choice.options]
+
+
+def test_docstring_examples_run() -> None:
+    import doctest
+
+    from mixprec._src.advisor.choose import cost
+
+    result = doctest.testmod(cost)
+    assert result.failed == 0 and result.attempted >= 1

@@ -2,13 +2,14 @@
 
 Without a GPU the cost of a precision is its bits per element in memory, averaged over the six
 (matmul, operand) pairs of a module: 16 for fp16 and bf16; for a recipe, its element bits (8 for
-e4m3/e5m2, 4 for e2m1) plus the bits of its block scales spread over each block (an MXFP8 E8M0
-scale per 32 elements: 8.25; NVFP4's E4M3 scale per 16: 4.5; a scale per tensor or per row:
-none), a matmul the recipe leaves in 16-bit (``rowwise_gw_hp``'s weight gradient, a rule per
-matmul's ``bf16`` part) counting 16. With a GPU the cost is the speed model's predicted time of
-the module in that option, the bits breaking ties. A module's options of equal cost come the
-most precise first (its measured error); candidates of equal bits are ordered fp16 before bf16
-(fp16 the more precise: bf16 is the fallback where fp16 overflows), then by word.
+e4m3/e5m2, 4 for e2m1) plus the bits of its scales spread over the elements they scale (MXFP8's
+E8M0 scale per 32 elements: 8.25; NVFP4's E4M3 scale per 16, a 16 x 16 tile for weights: 4.34;
+an fp32 scale per row, counted over a row of :data:`ROW_LENGTH`: 8.008; one per tensor: 8), a
+matmul the recipe leaves in 16-bit (``rowwise_gw_hp``'s weight gradient, a rule per matmul's
+``bf16`` part) counting 16. With a GPU the cost is the speed model's predicted time of the
+module in that option, the bits breaking ties. A module's options of equal cost come the most
+precise first (its measured error); candidates of equal bits are ordered fp16 before bf16 (fp16
+the more precise: bf16 is the fallback where fp16 overflows), then by word.
 """
 
 from __future__ import annotations
@@ -22,6 +23,9 @@ from mixprec._src.fp8.recipes import Cast, get_recipe
 
 #: Scales stored in one byte (E8M0; E4M3 under an fp32 tensor scale); the others are fp32.
 _ONE_BYTE_SCALES = ("e8m0", "e4m3_fp32")
+#: The contraction a per-row scale is counted over (a typical hidden size): rowwise costs a
+#: little more than tensorwise, as it does on a GPU.
+ROW_LENGTH = 4096
 #: Among 16-bit dtypes of equal bits: fp16 first (the more precise), then bf16.
 _DTYPE_TIE = {torch.float16: 0, torch.bfloat16: 1}
 
@@ -33,8 +37,8 @@ def _cast_bits(cast: Cast | None, high: torch.dtype | None) -> float:
         return 32.0 if high == torch.float32 else 16.0
     bits = 4.0 if "float4" in str(cast.dtype) else 8.0
     across, along = cast.block
-    if along == 0:  # one scale per tensor or per row: no bits per element worth counting
-        return bits
+    if along == 0:  # one scale per tensor (none worth counting) or per row of the contraction
+        return bits + (32 / ROW_LENGTH if across else 0.0)
     scale = 8 if cast.scale in _ONE_BYTE_SCALES else 32
     return bits + scale / (along * max(across, 1))
 
@@ -43,8 +47,8 @@ def bits(word: str) -> float:
     """A precision's bits per element, averaged over a module's six operands.
 
     Example:
-        >>> bits("bf16"), bits("nvfp4"), bits("mxfp8"), bits("fp8")
-        (16.0, 4.5, 8.25, 8.0)
+        >>> [round(bits(w), 3) for w in ("nvfp4", "fp8", "fp8:rowwise", "mxfp8", "bf16")]
+        [4.344, 8.0, 8.008, 8.25, 16.0]
 
     Host sync: none.
     """
