@@ -154,7 +154,7 @@ def test_the_plot_names_the_matmul_counts(advice: mixprec.types.Advice) -> None:
     fig = advice.plot()
     title = fig._suptitle.get_text()
     total = sum(advice.matmuls.values())
-    assert f"{total} of the measured modules" in title and "in 16-bit" in title
+    assert f"matmuls: {total} (the measured modules'" in title and "in 16-bit" in title
 
 
 def test_fp8_stats_summary_shows_only_what_was_cast_and_wraps_long_names() -> None:

@@ -50,7 +50,7 @@ def matmul_counts(advice: Advice) -> dict[str, int]:
 
 
 def summary(advice: Advice) -> str:
-    """The matmuls per format in words: ``27 of the measured modules (fprop, dgrad, wgrad):
+    """The matmuls per format in words: ``27 (the measured modules' fprop, dgrad and wgrad):
     17 bf16, 10 nvfp4; 17 of 27 in 16-bit``."""
     counts = matmul_counts(advice)
     total = sum(counts.values())
@@ -59,6 +59,6 @@ def summary(advice: Advice) -> str:
     sixteen = sum(counts.get(w, 0) for w in _SIXTEEN)
     each = ", ".join(f"{n} {w}" for w, n in counts.items())
     return (
-        f"{total} of the measured modules (fprop, dgrad, wgrad): {each}; "
+        f"{total} (the measured modules' fprop, dgrad and wgrad): {each}; "
         f"{sixteen} of {total} in 16-bit"
     )

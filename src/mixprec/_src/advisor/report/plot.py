@@ -35,7 +35,7 @@ def draw(advice: Advice, path: str | Path | None, ax: Any) -> Any:
     if time_ax is not None:
         _time_panel(time_ax, advice)
     fig.suptitle(
-        f"mixprec advise: {str(advice.policy) or 'no rules'}\n{matmul_summary(advice)}",
+        f"mixprec advise: {str(advice.policy) or 'no rules'}\nmatmuls: {matmul_summary(advice)}",
         fontsize=9,
     )
     if path is not None:
