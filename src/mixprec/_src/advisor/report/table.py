@@ -307,12 +307,18 @@ def _legend_lines(advice: Advice, wide: bool) -> list[str]:
             "n/a: the candidate cannot serve that module (a recipe serves nn.Linear layers whose "
             f"in and out features are multiples of its blocks; {blocks})"
         )
-    if wide and _has_fp16(advice):
+    return lines + (_wide_legend(advice) if wide else [])
+
+
+def _wide_legend(advice: Advice) -> list[str]:
+    """The legend of the columns only the wide table has."""
+    lines = []
+    if _has_fp16(advice):
         lines.append(
             "fp16 range: outputs above 65504 (>max); non-zero gradients fp16 rounds to 0 "
             "without loss scaling (flush@1) and at init_scale (flush@scale)"
         )
-    if wide and _fp8_words(advice):
+    if _fp8_words(advice):
         lines.append(
             "<recipe> casts: with that candidate, the largest fraction over the operands (in: "
             "input, w: weight, go: output gradient) of values cast to the format's top bin "
