@@ -223,3 +223,18 @@ def test_modules_split_at_commas_outside_a_globs_brackets() -> None:
     code, out, err = _run([*argv, "--no-progress", "--modules", "[c,o]*"])
     assert code == 0, err
     assert sorted(m["name"] for m in json.loads(out)["modules"]) == ["conv", "out"]
+
+
+def test_wide_prints_the_full_table_and_the_default_fits_100_columns() -> None:
+    """--wide is advice.table(wide=True); the candidates may come in any order."""
+    argv = ["advise", FACTORY, "--no-progress", "--gpu", "h100"]
+    code, narrow, err = _run([*argv, "--candidates", "bf16,fp16"])
+    assert code == 0, err
+    code, wide, err = _run([*argv, "--candidates", "fp16,bf16", "--wide"])
+    assert code == 0, err
+    assert max(len(line) for line in narrow.splitlines()) <= 100
+    header = next(line for line in wide.splitlines() if line.startswith("module"))
+    assert {"model-grad", "output", "input-grad", "weight-grad", "why"} <= set(header.split())
+    assert "weight-grad" not in narrow.split("model-grad:")[0]
+    policy = [line for line in wide.splitlines() if line.startswith("policy:")]
+    assert policy == [line for line in narrow.splitlines() if line.startswith("policy:")]

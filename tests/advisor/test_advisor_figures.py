@@ -422,11 +422,11 @@ def test_the_table_says_what_each_column_and_dash_means() -> None:
     advice = mixprec.advise(
         _net(), _batch(), mse, candidates=["nvfp4", "mxfp8", "bf16"], gpu="h100", min_sqnr=19.3721
     )
-    text = advice.table()
+    text = advice.table(wide=True)
     assert "nvfp4 casts" in text and "mxfp8 casts" in text and "bf16 casts" not in text
     assert "'-': the GPU has no kernel for that recipe" in " ".join(text.split())
     assert ">= 19.4 dB" in text and "19.3721" not in text
-    main = text.split("per matmul: the whole-model")[0]  # the table per matmul has no µs
+    main = text.split("per matmul: the model-grad")[0]  # the table per matmul has no µs
     rows = [line for line in main.splitlines() if line.startswith(("0 ", "2 "))]
     assert rows and all(" - " in line for line in rows)  # nvfp4 and mxfp8: no kernel on H100
 
@@ -443,11 +443,12 @@ def test_every_mark_in_a_row_is_explained(gpu: str | None) -> None:
     advice = mixprec.advise(
         model, batch, mse, candidates=words, gpu=gpu, modules=[nn.Linear, nn.LayerNorm]
     )
-    text = " ".join(advice.table().split())
+    text = " ".join(advice.table(wide=True).split())
     assert "0 Linear 288 n/a" in text
+    assert "0 Linear n/a n/a" in " ".join(advice.table().split())  # the default table
     assert "n/a: the candidate cannot serve that module" in text
     assert "nvfp4: 16, mxfp8: 32)" in text
-    norm = next(line for line in advice.table().splitlines() if line.startswith("3 "))
+    norm = next(ln for ln in advice.table(wide=True).splitlines() if ln.startswith("3 "))
     cells = norm.split("no error in any candidate")[0].split()
     assert cells[-1] == "-" and cells[-2] == "inf", norm  # the decision; no µs mark after it
     assert "-0.0" not in text

@@ -235,8 +235,8 @@ def test_the_search_mixes_formats_per_matmul_and_the_policy_runs_them(advice: An
 
 def test_the_table_says_which_matmul_carries_the_error(advice: Any) -> None:
     text = advice.table()
-    assert "per matmul: the whole-model gradient SQNR" in text
-    section = text.split("per matmul: the whole-model")[1]
+    assert "per matmul: the model-grad SQNR" in text
+    section = text.split("per matmul: the model-grad")[1]
     for m in advice.modules:
         line = next(x for x in section.splitlines() if x.startswith(m.name + " "))
         assert line.count("*") == 2  # the worst matmul of each recipe measured per matmul

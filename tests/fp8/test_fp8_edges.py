@@ -133,4 +133,4 @@ def test_block_statistics() -> None:
     assert s.input.block_underflow == pytest.approx(4 / 32)  # the tiny token's 4 blocks
     assert s.input.spread > 20  # 2**20 apart at least
     assert s.weight.block_saturated == 0 and s.weight.block_underflow == 0
-    assert "blk under" in stats.summary()
+    assert "blk-under" in stats.summary()

@@ -38,9 +38,10 @@ def _add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument(
         "--candidates",
         default=None,
-        help="precision rule words, cheapest first, comma-separated: fp16, bf16, fp8, "
-        "fp8:rowwise, fp8:rowwise_gw_hp, ... (default: torch's autocast dtype for the device: "
-        "bf16 on the CPU, fp16 on CUDA)",
+        help="precision rule words in any order, comma-separated: fp16, bf16, fp8, "
+        "fp8:rowwise, mxfp8, nvfp4, ... (tried cheapest first: with --gpu the fastest, else the "
+        "fewest bits; default: torch's autocast dtype for the device: bf16 on the CPU, fp16 on "
+        "CUDA)",
     )
     p.add_argument(
         "--min-sqnr",
@@ -102,6 +103,12 @@ def _output_arguments(p: argparse.ArgumentParser) -> None:
         "--check", dest="measure", action="store_true", help="apply the proposal and measure it"
     )
     p.add_argument("--json", action="store_true", help="print JSON instead of the table")
+    p.add_argument(
+        "--wide",
+        action="store_true",
+        help="the full table: every SQNR per candidate, fp16 range and fp8 cast figures, the "
+        "reasons in a column (default: lines of at most 100 characters)",
+    )
     p.add_argument("--plot", type=Path, metavar="PATH", help="write the plot (.png, .svg, .pdf)")
     p.add_argument("--threads", type=int, help="CPU threads for torch (default: torch's)")
 
@@ -268,7 +275,7 @@ def run(args: argparse.Namespace) -> int:
         per_matmul=args.per_matmul,
         min_speedup=args.min_speedup,
     )
-    emit(advice.to_json() if args.json else advice.table())
+    emit(advice.to_json() if args.json else advice.table(wide=args.wide))
     if args.plot is not None:
         try:
             write_file(args.plot, advice.plot)

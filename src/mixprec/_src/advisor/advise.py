@@ -30,6 +30,7 @@ from mixprec._src.advisor.arguments import (
     parse_candidates,
     region_dtype,
 )
+from mixprec._src.advisor.choose.cost import cost_key, cost_order
 from mixprec._src.advisor.choose.options import PerMatmul, mix_measurement, module_choice
 from mixprec._src.advisor.choose.policy import build_policy
 from mixprec._src.advisor.choose.search import Proposal, Target, search
@@ -113,9 +114,11 @@ def advise(
         model: the model, on the device to measure on.
         batch: one batch, passed to ``loss_fn`` as is.
         loss_fn: ``loss_fn(model, batch)`` returns the scalar loss (it calls the model).
-        candidates: rule words, cheapest first: ``"fp16"``, ``"bf16"``, fp8 recipes
-            (``"fp8"``, ``"fp8:rowwise"``, ``"fp8:rowwise_gw_hp"``; they serve ``nn.Linear``)
+        candidates: rule words, in any order: ``"fp16"``, ``"bf16"``, fp8 recipes
+            (``"fp8"``, ``"fp8:rowwise"``, ``"mxfp8"``, ``"nvfp4"``; they serve ``nn.Linear``)
             (default: torch's autocast dtype for the device, e.g. bf16 on the CPU, fp16 on CUDA).
+            The advisor orders them by cost: with ``gpu``, each module's predicted time in
+            each; else their bits per element (docs/advisor.md, "Which candidate is cheaper").
         min_sqnr: the target: the least whole-model gradient SQNR in dB.
         keep_at_most: the most modules to keep out of every candidate. Without ``min_sqnr``,
             the ``keep_at_most`` most sensitive modules are kept. With neither, only modules
@@ -182,7 +185,7 @@ def advise(
     check_float32(model)
     check_loss_signature(loss_fn, model, batch)
     device = device_of(model)
-    cands = parse_candidates(candidates, device.type)
+    cands = cost_order(parse_candidates(candidates, device.type))
     chosen = choose_modules(model, modules, cands)
     job = Job(model, [batch, *more_batches], loss_fn, device, cands, region_dtype(cands), progress)
     goal = Goal(Target(min_sqnr, keep_at_most, objective), spec, check, per_matmul, min_speedup)
@@ -380,11 +383,19 @@ def _first_policies(job: Job, found: Found, names: list[str]) -> tuple[Policy, P
     high = high_word(job.candidates, job.region)
     words = {}
     for name in names:
-        first = next((m for m in found.alone[name] if m.finite), None)
+        first = _cheapest(found.alone[name])
         words[name] = high if first is None else first.candidate
     region_word = format_dtype(job.region)
     islands = build_policy(job.model, dict.fromkeys(names, "fp32"), region_word, names)
     return islands, build_policy(job.model, words, region_word, names)
+
+
+def _cheapest(measured: list[Measurement]) -> Measurement | None:
+    """The module's cheapest finite candidate in the cost order (with a GPU, its fastest)."""
+    finite = [m for m in measured if m.finite]
+    if not finite:
+        return None
+    return min(finite, key=lambda m: cost_key(m.candidate, 0.0 if m.time is None else m.time.total))
 
 
 def _region_and_cheapest(engine: Engine, found: Found, names: list[str]) -> tuple[float, Cheapest]:
@@ -399,7 +410,7 @@ def _region_and_cheapest(engine: Engine, found: Found, names: list[str]) -> tupl
 def _cheapest_db(found: Found, region_sqnr: float, names: list[str]) -> float:
     noise = db_to_ratio(region_sqnr)
     for name in names:
-        first = next((m for m in found.alone[name] if m.finite), None)
+        first = _cheapest(found.alone[name])
         noise += 0.0 if first is None else db_to_ratio(first.model_grad_sqnr)
     return ratio_to_db(noise)
 

@@ -228,7 +228,8 @@ def _default_word(device_type: str) -> str:
 
 
 def parse_candidates(words: Sequence[object] | str | None, device_type: str) -> list[Candidate]:
-    """Validate candidate words (cheapest first); ``None`` is the device's autocast default.
+    """Validate candidate words (in the order given; the advisor sorts them by cost);
+    ``None`` is the device's autocast default.
 
     Raises:
         ConfigError: an empty list, a duplicate, or a word that is not a low-precision rule.
@@ -264,7 +265,7 @@ def _parse_one(word: object) -> Candidate:
         raise ConfigError(
             f"candidate {word!r} is not a low precision; candidates are 'fp16', 'bf16' (the "
             f"regions' dtypes) or the fp8 registry's recipe words ('fp8', {recipes}, ...), "
-            "listed cheapest first"
+            "in any order"
         )
     assert isinstance(rule.compute, torch.dtype)
     return Candidate(str(rule), rule.compute)

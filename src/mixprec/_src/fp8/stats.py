@@ -298,28 +298,84 @@ class Fp8Stats:
         }
 
     def summary(self) -> str:
-        """A text table, one line per module and operand.
+        """A text table, one line per module and operand that was cast (an operand a rule per
+        matmul left in high precision, or a backward not run yet, has no line), module names
+        wrapped at their dots to the first column's width, and a legend line.
 
         Host sync: one (through :meth:`read`).
         """
-        lines = [
-            f"{'module':<24} {'recipe':<13} {'path':<8} {'operand':<12} {'amax':>10} "
-            f"{'scale':>10} {'spread':>6} {'saturated':>10} {'flushed':>9} {'blk sat':>8} "
-            f"{'blk under':>9} {'nonfinite':>9}"
-        ]
+        rows = [list(_HEADER)]
         for name, mod in self.read().items():
-            for op in OPERANDS:
+            cast = [op for op in OPERANDS if getattr(mod, op).elements]
+            names = _wrap_name(name or "<model>", _NAME)
+            for i, op in enumerate(cast):
                 s: Fp8CastStats = getattr(mod, op)
-                lines.append(
-                    f"{name or '<model>':<24} {mod.recipe:<13} {mod.path:<8} {op:<12} "
-                    f"{s.amax:>10.4g} {s.scale:>10.4g} {s.spread:>6.1f} {s.saturated:>10.3%} "
-                    f"{s.flushed:>9.3%} {s.block_saturated:>8.2%} {s.block_underflow:>9.2%} "
-                    f"{s.nonfinite:>9d}"
+                numbers = (s.amax, s.scale, s.spread, s.saturated, s.flushed)
+                rows.append(
+                    [
+                        names[i] if i < len(names) else "",
+                        mod.recipe,
+                        mod.path,
+                        op,
+                        *(f"{v:{f}}" for v, f in zip(numbers, _FORMATS, strict=True)),
+                        f"{s.block_saturated:.2%}",
+                        f"{s.block_underflow:.2%}",
+                        str(s.nonfinite),
+                    ]
                 )
-        return "\n".join(lines)
+            rows += [[n] + [""] * (len(_HEADER) - 1) for n in names[len(cast) :]]
+        widths = [max(len(r[i]) for r in rows) for i in range(len(_HEADER))]
+        lines = [
+            " ".join(
+                c.ljust(w) if i < 4 else c.rjust(w)
+                for i, (c, w) in enumerate(zip(r, widths, strict=True))
+            )
+            for r in rows
+        ]
+        return "\n".join([*(line.rstrip() for line in lines), *_SUMMARY_LEGEND])
 
     def __repr__(self) -> str:
         return f"Fp8Stats(modules={self.names})"
+
+
+_NAME = 24  # the widest module name column of :meth:`Fp8Stats.summary`
+_FORMATS = (".4g", ".4g", ".1f", ".2%", ".3%")
+_HEADER = (
+    "module",
+    "recipe",
+    "path",
+    "operand",
+    "amax",
+    "scale",
+    "spread",
+    "at-max",
+    "flushed",
+    "blk-sat",
+    "blk-under",
+    "nonfinite",
+)
+_SUMMARY_LEGEND = (
+    "at-max: values cast to the format's largest magnitude (its top bin: with amax scaling the "
+    "largest",
+    "value lands there, so a few is healthy, not clipping); flushed: non-zero values cast to 0; "
+    "spread:",
+    "log2 of the largest over the smallest scale; blk-sat, blk-under: blocks whose scale hit "
+    "the top or",
+    "the bottom of its format; nonfinite: inf/NaN values in the high-precision operand",
+)
+
+
+def _wrap_name(name: str, width: int) -> list[str]:
+    """``name`` in lines of at most ``width``, broken after dots (a longer part is cut)."""
+    parts = [p + "." for p in name.split(".")]
+    parts[-1] = parts[-1][:-1]
+    chunks = [part[i : i + width] for part in parts for i in range(0, len(part), width)]
+    lines = [""]
+    for chunk in chunks:
+        if lines[-1] and len(lines[-1]) + len(chunk) > width:
+            lines.append("")
+        lines[-1] += chunk
+    return lines
 
 
 def _module_stats(slot: Slot, rows: list[list[float]]) -> Fp8ModuleStats:

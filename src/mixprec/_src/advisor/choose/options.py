@@ -10,9 +10,10 @@ of the module's three matmuls takes one of those recipes or the region's dtype
 (``"nvfp4/nvfp4/bf16"``). Such an option's error is its matmuls' errors added (a matmul in the
 region's dtype adds none; the region's rounding of the module's input and output is counted in
 the fprop figure, so a mix whose fprop is in the region's dtype leaves it out: a few hundredths
-to tenths of a dB), its time the speed model's for that mix. Options come cheapest first:
-each matmul costs the rank of its format among the candidates (the region's dtype ranks where
-it is listed, else after them).
+to tenths of a dB), its time the speed model's for that mix. Options come cheapest first in the
+cost order of :mod:`.cost` (with a GPU the predicted time, else the bits per element), never in
+the order the candidates were listed; options of equal cost (``fp8/fp8/bf16`` and
+``bf16/fp8/fp8``) the most precise first.
 """
 
 from __future__ import annotations
@@ -25,6 +26,7 @@ from dataclasses import dataclass
 import torch
 
 from mixprec._src.advisor.arguments import Candidate
+from mixprec._src.advisor.choose.cost import cost_key
 from mixprec._src.advisor.choose.search import Choice, Option
 from mixprec._src.advisor.measure.metrics import db_to_ratio, ratio_to_db
 from mixprec._src.advisor.report.advice import Fp16Range, Measurement
@@ -65,13 +67,10 @@ def module_choice(
     time); ``adjust`` changes an option's SQNR (default: as measured); with ``per_matmul``,
     the mixes of the recipes measured per matmul are options too."""
     runnable = [m for m in found if gpu is None or runs_on(gpu, Candidate.of(m.candidate))]
-    ranked = [
-        (3 * _rank(found, m.candidate), _option(m.candidate, _db(m), m.time)) for m in runnable
-    ]
+    options = [_option(m.candidate, _db(m), m.time) for m in runnable]
     if per_matmul is not None:
-        ranked += _mixes(found, gpu, per_matmul)
-    ranked.sort(key=lambda pair: pair[0])
-    options = [o for _, o in ranked]
+        options += _mixes(found, gpu, per_matmul)
+    options.sort(key=_order)
     word, kept_m, kept_time = kept
     options.append(_option(word, math.inf if kept_m is None else _db(kept_m), kept_time))
     if adjust is not None:
@@ -81,6 +80,13 @@ def module_choice(
         assert gpu is not None
         no_option = no_kernel(gpu, [Candidate.of(m.candidate) for m in found])
     return Choice(name, options, detail=overflow_detail(fp16), no_option=no_option)
+
+
+def _order(o: Option) -> tuple[float, float, float, int, str]:
+    """Cheapest first; among options of equal cost, the most precise first (a search that
+    moves to the next more precise option then never takes a worse one of the same cost)."""
+    time, bits, tie, word = cost_key(o.word, o.time)
+    return time, bits, o.ratio, tie, word
 
 
 def _db(m: Measurement) -> float:
@@ -99,16 +105,9 @@ def _adjusted(o: Option, adjust: Adjust) -> Option:
     return Option(o.word, math.inf if db == -math.inf else db_to_ratio(db), db, o.time)
 
 
-def _rank(found: Sequence[Measurement], word: str) -> int:
-    words = [m.candidate for m in found]
-    return words.index(word) if word in words else len(words)
-
-
-def _mixes(
-    found: Sequence[Measurement], gpu: GPU | None, per: PerMatmul
-) -> list[tuple[int, Option]]:
+def _mixes(found: Sequence[Measurement], gpu: GPU | None, per: PerMatmul) -> list[Option]:
     """Every mix of the recipes measured per matmul and the region's dtype, with at least two
-    formats (a recipe on all three matmuls is that candidate already), ranked."""
+    formats (a recipe on all three matmuls is that candidate already)."""
     parts: list[tuple[str, Sequence[float]]] = [
         (m.candidate, m.matmuls) for m in found if m.matmuls is not None
     ]
@@ -134,7 +133,7 @@ def _mixes(
             if not runs_on(gpu, cand):
                 continue
             time = predict(gpu, per.gemms, operands(cand, per.region))
-        out.append((sum(_rank(found, w) for w in words), _option(word, db, time)))
+        out.append(_option(word, db, time))
     return out
 
 

@@ -3,8 +3,9 @@
 The prediction treats the low-precision errors of different modules as independent noise: the
 whole-model gradient error power of a policy is the error of the region itself (the ops between
 the measured modules) plus the sum of the errors each module causes on its own in its chosen
-option. Each module's options are its candidates (cheapest first; with a GPU, only those that
-GPU runs in hardware) and keeping it, last.
+option. Each module's options are its candidates (cheapest first in the cost order of
+:mod:`.cost`; with a GPU, only those that GPU runs in hardware) and keeping it, last. The order
+of the modules does not matter: the search walks them by name.
 
 ``"fewest_kept"``, in order of what matters: meet the target, keep as few modules as possible,
 use the cheapest candidates. A module with no finite candidate is kept from the start. The
@@ -102,20 +103,26 @@ class Proposal:
 
 
 def search(choices: list[Choice], region_ratio: float, target: Target) -> Proposal:
-    """Choose an option per module for ``target``; fills each choice's ``reason``."""
+    """Choose an option per module for ``target``; fills each choice's ``reason``.
+
+    The result does not depend on the order of ``choices``: the search walks them by name
+    (ties between equal moves go to the first name, sums add in that order); the proposal lists
+    them in the order given.
+    """
+    ordered = sorted(choices, key=lambda c: c.name)
     if target.objective == "speed":
-        _fastest(choices, region_ratio, target)
+        _fastest(ordered, region_ratio, target)
     elif target.objective == "sqnr":
-        _most_precise(choices, target)
+        _most_precise(ordered, target)
     else:
-        _fewest(choices, region_ratio, target)
-    predicted = predicted_db(choices, region_ratio)
-    kept = sum(c.kept for c in choices)
+        _fewest(ordered, region_ratio, target)
+    predicted = predicted_db(ordered, region_ratio)
+    kept = sum(c.kept for c in ordered)
     met = (target.min_sqnr is None or predicted >= target.min_sqnr) and kept <= target.limit
-    met = met and (target.max_time is None or total_time(choices) <= target.max_time)
-    for c in choices:
+    met = met and (target.max_time is None or total_time(ordered) <= target.max_time)
+    for c in ordered:
         c.reason = _reason(c, target.objective)
-    return Proposal(choices, predicted, met, _notes(choices, predicted, region_ratio, target))
+    return Proposal(choices, predicted, met, _notes(ordered, predicted, region_ratio, target))
 
 
 def predicted_db(choices: Sequence[Choice], region_ratio: float) -> float:

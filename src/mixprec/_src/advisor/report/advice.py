@@ -4,16 +4,22 @@ from __future__ import annotations
 
 import json
 import math
+from collections.abc import Callable
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
+from torch import nn
 
 from mixprec._src.advisor.speed.model import Gemms, StepTime, Time
 from mixprec._src.autocast.policy import Policy
 from mixprec._src.autocast.rules import format_dtype
 from mixprec._src.fp8.stats import Fp8ModuleStats
+from mixprec.errors import ConfigError
+
+if TYPE_CHECKING:
+    from mixprec._src.advisor.report.export import TorchaoExport, TorchtitanExport
 
 
 @dataclass(frozen=True)
@@ -197,7 +203,8 @@ class Advice:
         init_scale: the suggested ``GradScaler`` initial scale (None when float16 is not used).
         kept_precision: what the kept modules run in (``"fp32"``, or ``"bf16"`` around fp8).
         modules: one :class:`ModuleAdvice` per measured module, in the order they first ran.
-        candidates: the candidate rule words, cheapest first.
+        candidates: the candidate rule words in the cost order (cheapest first, by bits per
+            element; fp16 before bf16), whatever order they were given in.
         min_sqnr: the stated target for the whole-model gradient SQNR (dB), if any.
         keep_at_most: the stated limit on kept modules, if any.
         met: whether the predicted SQNR meets ``min_sqnr`` within the limit.
@@ -246,14 +253,30 @@ class Advice:
         serve are not kept: they get no rule). Host sync: none."""
         return tuple(m.name for m in self.modules if m.served and m.choice == self.kept_precision)
 
-    def table(self) -> str:
-        """The report as a text table (module, size, figures per candidate, decision, why).
+    @property
+    def matmuls(self) -> dict[str, int]:
+        """How many of the measured modules' matmuls (fprop, dgrad, wgrad of each Linear or
+        conv) run in each format under the proposal: ``{"nvfp4": 10, "bf16": 17}``; a module
+        without a rule counts in the region's dtype. Host sync: none."""
+        from mixprec._src.advisor.report.matmuls import matmul_counts
+
+        return matmul_counts(self)
+
+    def table(self, wide: bool = False) -> str:
+        """The report as text: a table of each module's model-grad SQNR per candidate and the
+        decision, in lines of at most 100 characters (module names wrap), each module's reason
+        below it, a legend, the policy, the prediction and the matmuls per format.
+
+        Args:
+            wide: the full table instead: also each module's size, output, input-grad and
+                weight-grad SQNR per candidate, fp16 range and fp8 cast figures, the reason in
+                a column (as wide as it takes).
 
         Host sync: none.
         """
         from mixprec._src.advisor.report.table import render
 
-        return render(self)
+        return render(self, wide)
 
     def to_dict(self) -> dict[str, Any]:
         """The report as plain data (JSON types; infinite SQNRs as the strings ``"inf"`` and
@@ -269,6 +292,7 @@ class Advice:
                 "init_scale": self.init_scale,
                 "kept_precision": self.kept_precision,
                 "kept": list(self.kept),
+                "matmuls": self.matmuls,
                 "candidates": list(self.candidates),
                 "target": {
                     "min_sqnr": self.min_sqnr,
@@ -297,6 +321,51 @@ class Advice:
         """
         return json.dumps(self.to_dict(), indent=indent, allow_nan=False)
 
+    def to_torchao(self, model: nn.Module) -> TorchaoExport:
+        """The advice as ``torchao.float8.convert_to_float8_training`` arguments: one
+        conversion per recipe (``config()``, ``module_filter_fn``; ``apply(model)`` runs them)
+        and ``not_expressible``: each ruled module torchao.float8 cannot run as advised (a rule
+        per matmul, ``mxfp8``, ``nvfp4``, 128-blocks, features not multiples of 16), with why.
+
+        Args:
+            model: the model advised (its module names and features).
+
+        Raises:
+            ConfigError: a module of the advice is not in ``model``.
+
+        Example:
+            >>> import torch, mixprec
+            >>> from torch import nn
+            >>> model = nn.Sequential(nn.Linear(32, 32), nn.Tanh(), nn.Linear(32, 16))
+            >>> batch = (torch.randn(64, 32), torch.randn(64, 16))
+            >>> loss = lambda m, b: nn.functional.mse_loss(m(b[0]), b[1])
+            >>> advice = mixprec.advise(model, batch, loss, candidates=["fp8"], per_matmul=False)
+            >>> [(c.recipe, c.modules) for c in advice.to_torchao(model).conversions]
+            [('tensorwise', ('0', '2'))]
+
+        Host sync: none.
+        """
+        from mixprec._src.advisor.report.export import to_torchao
+
+        return to_torchao(self, _features(self, model))
+
+    def to_torchtitan(self, model: nn.Module) -> TorchtitanExport:
+        """The advice as torchtitan (0.3) converter configs: ``mixprec`` (the fields of
+        ``MixprecConverter.Config``: every rule) and, when torchtitan's own
+        ``Float8LinearConverter`` expresses it (one rowwise recipe), ``float8`` (its
+        ``recipe_name`` and ``filter_fqns``); ``not_expressible`` says what it cannot.
+
+        Raises:
+            ConfigError: a module of the advice is not in ``model``.
+
+        Host sync: none.
+        """
+        from mixprec._src.advisor.report.export import to_torchao, to_torchtitan
+
+        ao = to_torchao(self, _features(self, model))
+        linears = [n for n, m in model.named_modules() if isinstance(m, nn.Linear) and n]
+        return to_torchtitan(self, linears, ao)
+
     def plot(self, path: str | Path | None = None, *, ax: Any = None) -> Any:
         """Draw each module's gradient SQNR per candidate, the proposal marked (matplotlib).
 
@@ -315,6 +384,28 @@ class Advice:
         from mixprec._src.advisor.report.plot import draw
 
         return draw(self, path, ax)
+
+
+def _features(advice: Advice, model: nn.Module) -> Callable[[str], tuple[int, int] | None]:
+    """``(in_features, out_features)`` by module name (None for a module without them).
+
+    Raises:
+        ConfigError: a module of the advice is not in ``model``.
+    """
+    modules = dict(model.named_modules())
+    missing = [m.name for m in advice.modules if m.name not in modules]
+    if missing:
+        raise ConfigError(
+            f"the advice names modules the model does not have ({', '.join(missing[:4])}); "
+            "pass the model that was advised"
+        )
+
+    def dims(name: str) -> tuple[int, int] | None:
+        m = modules[name]
+        pair = (getattr(m, "in_features", None), getattr(m, "out_features", None))
+        return None if None in pair else (int(pair[0]), int(pair[1]))  # type: ignore[arg-type]
+
+    return dims
 
 
 def _module_dict(m: ModuleAdvice) -> dict[str, Any]:

@@ -11,6 +11,7 @@ import math
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
+from mixprec._src.advisor.report.matmuls import summary as matmul_summary
 from mixprec._src.deps import require
 
 if TYPE_CHECKING:
@@ -33,7 +34,10 @@ def draw(advice: Advice, path: str | Path | None, ax: Any) -> Any:
     _sqnr_panel(ax, advice)
     if time_ax is not None:
         _time_panel(time_ax, advice)
-    fig.suptitle(f"mixprec advise: {str(advice.policy) or 'no rules'}", fontsize=9)
+    fig.suptitle(
+        f"mixprec advise: {str(advice.policy) or 'no rules'}\nmatmuls: {matmul_summary(advice)}",
+        fontsize=9,
+    )
     if path is not None:
         fig.savefig(path, dpi=100)
     return fig

@@ -7,6 +7,7 @@ import math
 import textwrap
 from typing import TYPE_CHECKING
 
+from mixprec._src.advisor.report.matmuls import summary as matmul_summary
 from mixprec._src.autocast.rules import Rule, format_dtype
 from mixprec._src.fp8.recipes import get_recipe
 
@@ -15,6 +16,10 @@ if TYPE_CHECKING:
     from mixprec._src.advisor.speed.model import StepTime, Time
 
 _OPERANDS = (("in", "input"), ("w", "weight"), ("go", "grad_output"))
+#: The wide table's SQNR columns per candidate: the names of ``Measurement``'s fields.
+_TENSORS = ("model-grad", "output", "input-grad", "weight-grad")
+#: The widest a table line is by default (``wide=False``); module names wrap to fit.
+WIDTH = 100
 _BY = {"speed": "speed", "fewest_kept": "fewest kept", "sqnr": "SQNR within the speedup"}
 
 
@@ -50,15 +55,30 @@ def _timed(advice: Advice) -> bool:
 
 
 def _groups(advice: Advice) -> list[tuple[str, list[str]]]:
-    """(group label, its column names), left to right."""
+    """The wide table's (group label, its column names), left to right."""
     groups: list[tuple[str, list[str]]] = [("", ["module", "type", "params"])]
-    per = ["model", "out", "in-grad", "w-grad"] + (["µs"] if _timed(advice) else [])
+    per = [*_TENSORS] + (["µs"] if _timed(advice) else [])
     groups += [(word, list(per)) for word in advice.candidates]
     if _has_fp16(advice):
         groups.append(("fp16 range", [">max", "flush@1", "flush@scale"]))
-    groups += [(f"{word} casts", ["sat", "flush"]) for word in _fp8_words(advice)]
+    groups += [(f"{word} casts", ["at-max", "flush"]) for word in _fp8_words(advice)]
     last = ["decision"] + (["µs"] if _timed(advice) else []) + ["why"]
     return [*groups, ("proposal", last)]
+
+
+def _narrow_groups(advice: Advice) -> list[tuple[str, list[str]]]:
+    """The default table's groups: per candidate its model-grad SQNR, the decision (and its
+    µs)."""
+    groups: list[tuple[str, list[str]]] = [("", ["module", "type"])]
+    groups.append(("model-grad (dB)", list(advice.candidates)))
+    return [*groups, ("proposal", ["decision"] + (["µs"] if _timed(advice) else []))]
+
+
+def _narrow_row(advice: Advice, m: ModuleAdvice) -> list[str]:
+    found = [m.measurement(w) for w in advice.candidates]
+    cells = [m.name, m.kind] + ["n/a" if x is None else fmt_db(x.model_grad_sqnr) for x in found]
+    decision = m.choice if m.served else "-"
+    return [*cells, decision, *([_option_us(m, m.time)] if _timed(advice) else [])]
 
 
 def _fp8_words(advice: Advice) -> list[str]:
@@ -120,10 +140,23 @@ def _row(advice: Advice, m: ModuleAdvice) -> list[str]:
     return [*cells, decision, *([_option_us(m, m.time)] if _timed(advice) else []), m.reason]
 
 
-def _align(groups: list[tuple[str, list[str]]], rows: list[list[str]]) -> list[str]:
+def _align(
+    groups: list[tuple[str, list[str]]], rows: list[list[str]], width: int | None = None
+) -> list[str]:
+    """The header lines and rows, columns aligned; with ``width``, module names (the first
+    column) wrap at their dots so that lines fit it where they can."""
     names = [c for _, cols in groups for c in cols]
     table = [names, *rows]
     widths = [max(len(r[i]) for r in table) for i in range(len(names))]
+    end = 0
+    for label, cols in groups:  # a group's label fits over its columns
+        end += len(cols)
+        span = sum(widths[end - len(cols) : end]) + 2 * (len(cols) - 1)
+        widths[end - 1] += max(0, len(label) + 4 - span) if label else 0
+    if width is not None:
+        rest = sum(widths[1:]) + 2 * (len(widths) - 1)
+        widths[0] = min(widths[0], max(_MIN_NAME, width - rest))
+        table = [names, *(line for r in rows for line in _wrapped(r, widths[0]))]
     left = {i for i, n in enumerate(names) if n in ("module", "type", "decision", "why")}
 
     def line(cells: list[str]) -> str:
@@ -131,6 +164,24 @@ def _align(groups: list[tuple[str, list[str]]], rows: list[list[str]]) -> list[s
         return "  ".join(c.ljust(w) if i in left else c.rjust(w) for i, (c, w) in pairs).rstrip()
 
     return [_group_line(groups, widths), *(line(r) for r in table)]
+
+
+_MIN_NAME = 16
+
+
+def _wrapped(row: list[str], width: int) -> list[list[str]]:
+    """The row, its first cell broken after dots into lines of at most ``width`` (a part
+    longer than that is cut); the other cells on the first line."""
+    parts = [p + "." for p in row[0].split(".")]
+    parts[-1] = parts[-1][:-1]
+    chunks = [part[i : i + width] for part in parts for i in range(0, len(part), width)]
+    lines = [""]
+    for chunk in chunks:
+        if lines[-1] and len(lines[-1]) + len(chunk) > width:
+            lines.append("")
+        lines[-1] += chunk
+    blank = [""] * (len(row) - 1)
+    return [[lines[0], *row[1:]], *([ln, *blank] for ln in lines[1:])]
 
 
 def _group_line(groups: list[tuple[str, list[str]]], widths: list[int]) -> str:
@@ -143,11 +194,17 @@ def _group_line(groups: list[tuple[str, list[str]]], widths: list[int]) -> str:
     return "  ".join(parts).rstrip()
 
 
-def render(advice: Advice) -> str:
-    """The whole report: a heading, the per-module table, its legend, the proposal, the
-    prediction and the predicted speed."""
-    groups = _groups(advice)
-    rows = [_row(advice, m) for m in advice.modules]
+def render(advice: Advice, wide: bool = False) -> str:
+    """The whole report: a heading, the per-module table (``wide``: every figure; else the
+    model-grad SQNR per candidate, lines of at most :data:`WIDTH`, and why below), its legend,
+    the proposal, the prediction, the matmuls per format and the predicted speed."""
+    width = None if wide else WIDTH
+    if wide:
+        table = _align(_groups(advice), [_row(advice, m) for m in advice.modules])
+    else:
+        table = _align(
+            _narrow_groups(advice), [_narrow_row(advice, m) for m in advice.modules], width
+        )
     speed = f"; speed on {advice.step.gpu}" if advice.step is not None else ""
     lines = [
         f"mixprec advise: {len(advice.modules)} modules, candidates "
@@ -156,10 +213,11 @@ def render(advice: Advice) -> str:
         "SQNR (signal-to-quantization-noise ratio) against float32, in dB: higher is better "
         "(one tensor rounded to bf16: about 47; to fp8: 21-29)",
         "",
-        *_align(groups, rows),
+        *table,
+        *([] if wide else _why(advice)),
         "",
-        *_legend(advice),
-        *_per_matmul(advice),
+        *_legend(advice, wide),
+        *_per_matmul(advice, width),
         "",
         f"policy:      {_policy_text(advice)}",
         f"region:      mixprec.autocast({advice.device_type!r}, dtype=torch."
@@ -167,36 +225,78 @@ def render(advice: Advice) -> str:
     ]
     if advice.init_scale is not None:
         lines.append(f"init_scale:  {advice.init_scale:g} (mixprec.GradScaler(init_scale=...))")
-    lines.append(_prediction(advice))
+    lines += [_prediction(advice), f"matmuls:     {matmul_summary(advice)}", _kept(advice)]
     if advice.measured_sqnr is not None:
         lines.append(f"measured:    {fmt_db(advice.measured_sqnr)} dB with the policy applied")
     lines += _model_check(advice)
     lines += _speed(advice)
     lines += [f"note:        {n}" for n in advice.notes]
-    return "\n".join(lines)
+    return "\n".join(w for line in lines for w in _fit(line, table))
 
 
-def _legend(advice: Advice) -> list[str]:
-    return [w for line in _legend_lines(advice) for w in textwrap.wrap(line, 100)]
+def _fit(line: str, table: list[str]) -> list[str]:
+    """A line of text wrapped at :data:`WIDTH` (a ``label:`` line under its text); the table's
+    own lines as they are."""
+    if len(line) <= WIDTH or line in table:
+        return [line]
+    indent = " " * 13 if line[:13].rstrip().endswith(":") else ""
+    return textwrap.wrap(line, WIDTH, subsequent_indent=indent, break_on_hyphens=False)
 
 
-def _legend_lines(advice: Advice) -> list[str]:
+def _why(advice: Advice) -> list[str]:
+    """Each module's reason, below the default table (the wide table has a column)."""
+    lines = ["", "why:"]
+    for m in advice.modules:
+        lines += textwrap.wrap(
+            f"{m.name}: {m.reason}", WIDTH, initial_indent="  ", subsequent_indent="    "
+        )
+    return lines
+
+
+def _kept(advice: Advice) -> str:
+    """The kept modules, with what "kept" means."""
+    kept = advice.kept
+    what = (
+        f"(kept: out of every candidate, all its matmuls in {advice.kept_precision}; a module "
+        "no candidate serves gets no rule and is not counted)"
+    )
+    if not kept:
+        return f"kept:        no module {what}"
+    names = ", ".join(kept[:4]) + (f" and {len(kept) - 4} more" if len(kept) > 4 else "")
+    return f"kept:        {len(kept)} module{'s' if len(kept) > 1 else ''}: {names} {what}"
+
+
+def _legend(advice: Advice, wide: bool) -> list[str]:
+    return [w for line in _legend_lines(advice, wide) for w in textwrap.wrap(line, WIDTH)]
+
+
+def _legend_lines(advice: Advice, wide: bool) -> list[str]:
     lines = [
-        "model: the whole model's gradient SQNR with only this module in the candidate (what "
-        "the prediction adds up); out, in-grad, w-grad: the module's output, input gradient "
-        "and weight gradient"
+        "model-grad: the whole model's gradient SQNR with only this module in the candidate "
+        "(what the prediction adds up)"
+        + (
+            "; output, input-grad, weight-grad: the SQNR of the module's own output, input "
+            "gradient and weight gradient"
+            if wide
+            else "; wide=True (mixprec advise --wide) adds each module's output, input-grad and "
+            "weight-grad SQNR, its size, fp16 range and fp8 cast figures, and with a GPU each "
+            "candidate's µs"
+        )
     ]
-    if _split_words(advice):
+    if _split_words(advice) and wide:
         lines.append(
-            "a recipe measured per matmul: model is its three matmuls' errors added (the "
-            "table per matmul below); out from the pass with fprop alone in the recipe, "
-            "in-grad and w-grad from the pass with dgrad and wgrad in it"
+            "a recipe measured per matmul: model-grad is its three matmuls' errors added (the "
+            "table per matmul below); output from the pass with fprop alone in the recipe, "
+            "input-grad and weight-grad from the pass with dgrad and wgrad in it"
         )
     if _timed(advice) and advice.step is not None:
         lines.append(
             f"µs: predicted time per step on {advice.step.gpu} (the module's three GEMMs "
             "and its casts; '-': the GPU has no kernel for that recipe: measured emulated, "
             "never chosen; blank: not timed alone, no Linear or conv GEMM)"
+            if wide
+            else f"µs: the decision's predicted time per step on {advice.step.gpu} (the "
+            "module's three GEMMs and its casts; blank: no Linear or conv GEMM)"
         )
     unserved = _unserved_words(advice)
     if unserved:
@@ -207,6 +307,12 @@ def _legend_lines(advice: Advice) -> list[str]:
             "n/a: the candidate cannot serve that module (a recipe serves nn.Linear layers whose "
             f"in and out features are multiples of its blocks; {blocks})"
         )
+    return lines + (_wide_legend(advice) if wide else [])
+
+
+def _wide_legend(advice: Advice) -> list[str]:
+    """The legend of the columns only the wide table has."""
+    lines = []
     if _has_fp16(advice):
         lines.append(
             "fp16 range: outputs above 65504 (>max); non-zero gradients fp16 rounds to 0 "
@@ -214,9 +320,10 @@ def _legend_lines(advice: Advice) -> list[str]:
         )
     if _fp8_words(advice):
         lines.append(
-            "<recipe> casts: with that candidate, the largest fraction of values at the "
-            "format's maximum (sat) and of non-zero values flushed to 0 (flush), with the "
-            "operand: in input, w weight, go output gradient"
+            "<recipe> casts: with that candidate, the largest fraction over the operands (in: "
+            "input, w: weight, go: output gradient) of values cast to the format's top bin "
+            "(at-max: with amax scaling the largest value lands there, so a few is healthy, not "
+            "clipping) and of non-zero values flushed to 0 (flush)"
         )
     return lines
 
@@ -230,7 +337,7 @@ def _split_words(advice: Advice) -> list[str]:
     ]
 
 
-def _per_matmul(advice: Advice) -> list[str]:
+def _per_matmul(advice: Advice, width: int | None) -> list[str]:
     """Which matmul carries each module's error, per recipe: the whole-model gradient SQNR
     with only that matmul in the recipe; ``*`` marks the module's worst in each."""
     words = _split_words(advice)
@@ -247,10 +354,11 @@ def _per_matmul(advice: Advice) -> list[str]:
             cells += _matmul_cells(None if x is None else x.matmuls)
         rows.append([*cells, m.choice if m.served else "-"])
     head = (
-        "per matmul: the whole-model gradient SQNR with only that matmul of the module in the "
-        "recipe (dB; * the module's worst: the matmul that carries its error)"
+        "per matmul: the model-grad SQNR with only that matmul of the module in the recipe "
+        "(fprop: the output's matmul, dgrad: the input gradient's, wgrad: the weight "
+        "gradient's; dB; * the module's worst: the matmul that carries its error)"
     )
-    return ["", *textwrap.wrap(head, 100), *_align(groups, rows)]
+    return ["", *textwrap.wrap(head, WIDTH), *_align(groups, rows, width)]
 
 
 def _matmul_cells(dbs: tuple[float, float, float] | None) -> list[str]:
@@ -288,8 +396,8 @@ def _prediction(advice: Advice) -> str:
         f" (target {', '.join(target)}: {'met' if advice.met else 'NOT met'})" if target else ""
     )
     return (
-        f"predicted:   {fmt_db(advice.predicted_sqnr)} dB whole-model gradient SQNR, "
-        f"{len(advice.kept)} kept in {advice.kept_precision}{status}; {between(advice.region_sqnr)}"
+        f"predicted:   {fmt_db(advice.predicted_sqnr)} dB whole-model gradient SQNR{status}; "
+        f"{between(advice.region_sqnr)}"
     )
 
 
