@@ -2,7 +2,10 @@
 ``torch.autograd.graph.saved_tensors_hooks`` (on any device, meta included), beside what bf16
 autocast and torchao's recipe save for a Linear of the same shape.
 
-Parameters are not counted (they live anyway); a tensor saved twice by one module counts once.
+Parameters and views of them are not counted (they live anyway); a tensor saved twice by one
+module counts once. The meta device has no autocast: in a dry run, modules without a
+low-precision rule run in fp32, so their bytes are fp32's (a low-precision rule casts its input
+to the region's dtype itself, so its bytes are the GPU's).
 """
 
 from __future__ import annotations
@@ -60,7 +63,9 @@ class _Counter:
         self.stack.pop()
 
     def pack(self, t: torch.Tensor) -> torch.Tensor:
-        if self.stack and id(t) not in self.params and not isinstance(t, nn.Parameter):
+        base = torch_compat.view_base(t)
+        of_param = id(t) in self.params or (base is not None and id(base) in self.params)
+        if self.stack and not of_param:
             self.seen.setdefault(self.stack[-1], {})[id(t)] = t.numel() * t.element_size()
             self.keep.append(t)
         return t

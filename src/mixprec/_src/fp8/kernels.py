@@ -114,7 +114,10 @@ _TARGET: ContextVar[Target | None] = ContextVar("mixprec_dry_run_target", defaul
 
 
 def target() -> Target | None:
-    """The dry run in progress, if any. Host sync: none."""
+    """The dry run in progress, if any (a dry run runs eagerly: never in compiled code, which
+    does not trace a context variable). Host sync: none."""
+    if torch.compiler.is_compiling():
+        return None
     return _TARGET.get()
 
 
@@ -131,7 +134,7 @@ def routed_as(found: Target) -> Iterator[Target]:
 
 def launch(call: KernelCall) -> torch.Tensor:
     """Run ``call``, or hand it to the dry run in progress. Host sync: none."""
-    found = _TARGET.get()
+    found = target()
     if found is not None and call.a.device.type == "meta" and found.launch is not None:
         out: torch.Tensor = found.launch(found, call)
         return out
@@ -310,7 +313,7 @@ def _blocks_128(a: Side, b: Side, out: torch.dtype) -> torch.Tensor:
     qa, sa, _ = oriented(a)
     bt, sbt, rb = oriented(b.flipped())
     if rb > 1:  # 128x128 weight blocks: K-major, the K blocks padded to a multiple of 4
-        scale_b = F.pad(sbt, (0, -sbt.shape[1] % 4), value=1.0).t()
+        scale_b = F.pad(sbt, (0, -sbt.shape[1] % 4), value=1.0).contiguous().t()
         kind_b = "BlockWise128x128"
     else:  # 1x128: outer-dimension-major
         scale_b, kind_b = sbt.t().contiguous().t(), "BlockWise1x128"
