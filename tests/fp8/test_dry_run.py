@@ -257,3 +257,18 @@ def test_references_differential() -> None:
     assert reference_bytes((m, k, n), "bf16", True) == real
     assert reference_bytes((m, k, n), "tensorwise", False) == m * k * 2
     assert reference_bytes((m, k, n), "nvfp4", False) is None
+
+
+def test_cli(capsys: pytest.CaptureFixture[str]) -> None:
+    """``mixprec dry-run``: a table per GPU at most 100 columns wide, status 0 when every call
+    keeps the contract; an unknown GPU is a usage error (status 2)."""
+    from mixprec.cli import main
+
+    target = f"{Path(__file__).resolve().parents[2] / 'examples' / 'advise_gpt.py'}:make_gpt"
+    status = main(["dry-run", target, "--policy", "blocks.*.mlp.*=mxfp8", "--gpu", "h100,b200"])
+    out = capsys.readouterr().out
+    assert status == 0
+    assert "dry run on h100" in out and "dry run on b200" in out
+    assert "no mxfp8 kernel on h100" in out and "F.scaled_mm BlockWise1x32" in out
+    assert max(len(line) for line in out.splitlines()) <= 100
+    assert main(["dry-run", target, "--policy", "fp8", "--gpu", "a100x"]) == 2

@@ -137,7 +137,7 @@ def _rows(found: Target, gpu: str) -> tuple[Row, ...]:
 
 def _why_emulated(routed: bool, mkn: tuple[int, int, int], recipe: str, gpu: str) -> str:
     if not routed:
-        return f"{gpu} has no {recipe} kernel (fix: a recipe this GPU runs, or bf16)"
+        return f"no {recipe} kernel on {gpu} (fix: a recipe it runs, or bf16)"
     m, k, n = mkn
     return f"{m}x{k}x{n} not multiples of 16 (fix: pad tokens to a multiple of 16)"
 

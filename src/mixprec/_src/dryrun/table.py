@@ -34,7 +34,10 @@ def _grid(head: list[str], body: list[list[str]], width: int) -> list[str]:
 def render(run: Any, width: int = 100) -> str:
     """The text of a :class:`~mixprec._src.dryrun.run.DryRun`. Host sync: none."""
     seen: dict[tuple[str, ...], int] = {}
-    for r in run.rows:
+    first = {m: i for i, m in reversed(list(enumerate(r.module for r in run.rows)))}
+    order = ("fprop", "dgrad", "wgrad")
+    rows = sorted(run.rows, key=lambda r: (first[r.module], order.index(r.matmul)))
+    for r in rows:
         key = (r.module, r.matmul, r.recipe, r.verdict, r.detail)
         seen[key] = seen.get(key, 0) + 1
     body = [[*k[:4], k[4] + (f" (x{n})" if n > 1 else "")] for k, n in seen.items()]
