@@ -272,3 +272,33 @@ def test_cli(capsys: pytest.CaptureFixture[str]) -> None:
     assert "no mxfp8 kernel on h100" in out and "F.scaled_mm BlockWise1x32" in out
     assert max(len(line) for line in out.splitlines()) <= 100
     assert main(["dry-run", target, "--policy", "fp8", "--gpu", "a100x"]) == 2
+
+
+def _gpu_check() -> Any:
+    path = Path(__file__).resolve().parents[2] / "benchmarks" / "gpu_check.py"
+    spec = importlib.util.spec_from_file_location("gpu_check_dry", path)
+    assert spec is not None and spec.loader is not None
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def test_gpu_check_dry_run_section_on_cpu(monkeypatch: pytest.MonkeyPatch) -> None:
+    """benchmarks/gpu_check.py's section 6 on the CPU: as it is, the CPU emulates what the dry
+    run says an h100 runs natively (reported as differing, the 60-token case agreeing); with
+    the CPU routed as a 9.0 GPU (torch's CPU _scaled_mm runs tensorwise and rowwise), each
+    kernel call recorded as it ran agrees with the dry run, outputs near emulation."""
+    from mixprec._src.devices import caps
+    from mixprec._src.fp8 import matmul
+
+    check = _gpu_check()
+    monkeypatch.setattr(check, "DRY_RULES", ("fp8", "fp8:rowwise"))
+    monkeypatch.setattr(check, "DRY_SHAPES", ((64, 128, 96), (60, 128, 96)))
+    rows, ok = check.dry_run_check(torch.device("cpu"))
+    assert not ok
+    assert "| fp8 | 64x128x96 | N/N/N | E/E/E |" in "\n".join(rows)
+    assert [r for r in rows if "60x128x96" in r and "DIFFERS" in r] == []
+    monkeypatch.setattr(matmul, "_routing", lambda device: (caps("cuda"), (9, 0)))
+    rows, ok = check.dry_run_check(torch.device("cpu"))
+    assert ok, "\n".join(rows)
+    assert "| fp8:rowwise | 64x128x96 | N/N/N | N/N/N |" in "\n".join(rows)
