@@ -302,3 +302,79 @@ def test_gpu_check_dry_run_section_on_cpu(monkeypatch: pytest.MonkeyPatch) -> No
     rows, ok = check.dry_run_check(torch.device("cpu"))
     assert ok, "\n".join(rows)
     assert "| fp8:rowwise | 64x128x96 | N/N/N | N/N/N |" in "\n".join(rows)
+
+
+def test_e2m1_pack_round_trip() -> None:
+    """Every e2m1 value (both zeros included) survives packing two a byte, bit for bit."""
+    from mixprec._src.fp8.kernels import _E2M1_CODES, pack_e2m1, unpack_e2m1
+
+    levels = torch.tensor(_E2M1_CODES)
+    values = torch.cat((levels, -levels)).to(torch.float8_e4m3fn)
+    grid = torch.cartesian_prod(torch.arange(16), torch.arange(16))
+    codes = values[grid]  # every pair of codes in one byte
+    back = unpack_e2m1(pack_e2m1(codes.float()))
+    assert torch.equal(back.view(torch.uint8), codes.view(torch.uint8))
+
+
+def test_nvfp4_saves_weight_codes_packed() -> None:
+    """NVFP4's saved 16x16-block weight codes take half a byte each: its bytes exceed MXFP8's
+    (the same high-precision input saved, no weight) by the packed codes and their scales."""
+    k, n = 256, 512
+    saved = {}
+    for rule in ("mxfp8", "nvfp4"):
+        model = nn.Sequential(nn.Linear(k, n, bias=False))
+        x = torch.randn(64, k, requires_grad=True)
+        run = mixprec.dry_run(model, x, _loss, f"0={rule}", gpu="b200")
+        saved[rule] = {s.module: s.mixprec for s in run.saved}["0"]
+    assert saved["nvfp4"] - saved["mxfp8"] == n * k // 2 + (n // 16) * (k // 16) + 4
+
+
+class _Tied(nn.Module):
+    """Tied embedding and head, a BatchNorm's buffers, a dict batch."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.emb = nn.Embedding(64, 128)
+        self.norm = nn.BatchNorm1d(128)
+        self.head = nn.Linear(128, 64, bias=False)
+        self.head.weight = self.emb.weight
+
+    def forward(self, batch: dict[str, torch.Tensor]) -> torch.Tensor:
+        return self.head(self.norm(self.emb(batch["ids"])))
+
+
+def test_tied_weights_buffers_and_a_dict_batch() -> None:
+    """The meta copy keeps ties and copies buffers: the user's running statistics, step count
+    and weights stay as they were; the tied head's three matmuls are answered."""
+    model = _Tied()
+    before = {k: v.clone() for k, v in model.state_dict().items()}
+    batch = {"ids": torch.randint(0, 64, (48,))}
+    run = mixprec.dry_run(model, batch, lambda m, b: m(b).float().mean(), "head=fp8", "h100")
+    assert run.ok and run.verdicts() == {("head", mm): NATIVE for mm in _MM}
+    for key, value in model.state_dict().items():
+        assert torch.equal(value, before[key]), key
+    assert model.head.weight is model.emb.weight
+
+
+@pytest.mark.parametrize(("x_grad", "w_grad"), [(True, True), (True, False), (False, True)])
+def test_packed_codes_change_no_gradient(
+    monkeypatch: pytest.MonkeyPatch, x_grad: bool, w_grad: bool
+) -> None:
+    """NVFP4 with its saved weight codes packed gives bit for bit the gradients of the run
+    that keeps them one a byte, whichever operands need a gradient."""
+    from mixprec._src.fp8 import matmul
+
+    def step() -> list[torch.Tensor | None]:
+        torch.manual_seed(0)
+        model = nn.Sequential(nn.Linear(64, 32)).requires_grad_(w_grad)
+        x = torch.randn(48, 64, requires_grad=x_grad)
+        with mixprec.autocast("cpu", torch.bfloat16, policy="0=nvfp4"):
+            loss = _loss(model, x)
+        loss.backward()
+        return [x.grad, model[0].weight.grad]
+
+    packed = step()
+    monkeypatch.setattr(matmul, "E2M1", None)  # nothing is packed
+    plain = step()
+    for a, b in zip(packed, plain, strict=True):
+        assert (a is None and b is None) or (a is not None and b is not None and torch.equal(a, b))

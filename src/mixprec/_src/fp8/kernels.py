@@ -218,6 +218,23 @@ def pack_e2m1(values: torch.Tensor) -> torch.Tensor:
     return packed.contiguous().view(torch.float4_e2m1fn_x2)
 
 
+def unpack_e2m1(packed: torch.Tensor) -> torch.Tensor:
+    """The inverse of :func:`pack_e2m1`: the e2m1 values, one per element, held in e4m3 (signed
+    zeros kept).
+
+    Example:
+        >>> unpack_e2m1(pack_e2m1(torch.tensor([[0.5, -6.0]]))).float().tolist()
+        [[0.5, -6.0]]
+
+    Host sync: none.
+    """
+    b = packed.view(torch.uint8)
+    nibbles = torch.stack((b & 0xF, b >> 4), dim=-1).reshape(*b.shape[:-1], -1)
+    levels = torch.tensor(_E2M1_CODES, dtype=torch.float32, device=b.device)
+    table = torch.cat((levels, -levels)).to(torch.float8_e4m3fn)
+    return table[nibbles.long()]
+
+
 def _shape(scale: torch.Tensor) -> tuple[int, int]:
     return scale.shape[0], scale.shape[1]
 

@@ -31,7 +31,7 @@ from mixprec._src.fp8 import kernels
 from mixprec._src.fp8.carrier import gathered
 from mixprec._src.fp8.casts import Quantized, cast_stats, dequantize, quantize
 from mixprec._src.fp8.kernels import Side
-from mixprec._src.fp8.recipes import MATMULS, Cast, Recipe
+from mixprec._src.fp8.recipes import E2M1, MATMULS, Cast, Recipe
 from mixprec._src.fp8.stats import Slot
 from mixprec.errors import ConfigError
 
@@ -212,17 +212,23 @@ def _pad_rows(t: torch.Tensor, multiple: int) -> torch.Tensor:
     return F.pad(t, (0, 0, 0, extra)) if extra else t
 
 
-def _save(q: Quantized | None, hp: torch.Tensor) -> tuple[Any, ...]:
-    """What to keep of an operand: its cast (reused by the second matmul) or itself."""
+def _save(q: Quantized | None, hp: torch.Tensor, cast: Cast | None) -> tuple[Any, ...]:
+    """What to keep of an operand: its cast (reused by the second matmul; fp4 codes packed two
+    a byte) or itself."""
     if q is None:
         return hp, None, None, None
-    return q.codes, q.scale, q.tensor_scale, q.block
+    codes = q.codes
+    if cast is not None and cast.dtype == E2M1 and codes.shape[-1] % 2 == 0:
+        codes = kernels.pack_e2m1(codes).view(torch.uint8)  # uint8: packed (codes are fp8)
+    return codes, q.scale, q.tensor_scale, q.block
 
 
 def _load(saved: tuple[Any, ...]) -> tuple[torch.Tensor | None, Quantized | None]:
     codes, scale, tensor_scale, block = saved
     if block is None:
         return codes, None
+    if codes is not None and codes.dtype == torch.uint8:  # fp4 codes packed by _save
+        codes = kernels.unpack_e2m1(codes)
     return None, Quantized(codes, scale, tensor_scale, scale, block)
 
 
@@ -242,8 +248,8 @@ class Fp8Linear(torch.autograd.Function):
             qw = gathered(weight, 1) or _cast(plan, weight, r.w, 1, _WEIGHT, True, record)
             out = _mm(plan, Side(qx, r.x), Side(qw, r.w, True), 0, fast_accum=True, count=record)
         need_x, need_w = ctx.needs_input_grad[0], ctx.needs_input_grad[1]
-        keep_x = _save(qx if _shared(r.x, r.x_gw) else None, x2d)
-        keep_w = _save(qw if _shared(r.w, r.w_gi) else None, weight)
+        keep_x = _save(qx if _shared(r.x, r.x_gw) else None, x2d, r.x)
+        keep_w = _save(qw if _shared(r.w, r.w_gi) else None, weight, r.w)
         ctx.x_meta, ctx.w_meta = keep_x[3], keep_w[3]
         ctx.save_for_backward(
             *(keep_x[:3] if need_w else (None,) * 3),
