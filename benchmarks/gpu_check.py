@@ -23,6 +23,12 @@
    the ``_scaled_mm`` calls counted. The speed table is
    ``python benchmarks/bench_fp8.py --device cuda``.
 
+6. The dry run's cases for real (#37): for each rule and shape (features that do and do not need
+   the 128x128 scale padding, a 60-token batch), ``mixprec.dry_run``'s answer per matmul for
+   this GPU (N native, E emulated, H high precision, F would fail) beside what the GPU did with
+   the same calls (each kernel call recorded as it ran; F where it raised), and the real outputs
+   and gradients against the emulated path (SQNR, dB).
+
 Run: ``python benchmarks/gpu_check.py [--out report.md] [--repeat 10]``. Without CUDA it says so
 and exits with status 0. ``--device cpu`` runs parts 1 and 2 on the CPU (a dry run of the
 script's own logic, used by the test suite). Exit status 1 when a check fails (a differential,
@@ -273,6 +279,144 @@ def fp8_check(
     return rows, ok
 
 
+DRY_RULES = (
+    "fp8",
+    "fp8:rowwise",
+    "fp8:rowwise_gw_hp",
+    "fp8:blockwise",
+    "mxfp8",
+    "nvfp4",
+    "mxfp8/mxfp8/nvfp4",
+    "bf16/fp8/fp8",
+)
+DRY_SHAPES = ((256, 512, 384), (128, 256, 1024), (256, 1024, 256), (60, 256, 256))
+_LETTER = {"native": "N", "emulated": "E", "high precision": "H", "would fail": "F"}
+
+
+def _gpu_word(cap: tuple[int, int]) -> str:
+    """The dry run's GPU with this compute capability (the nearest below it otherwise)."""
+    from mixprec._src.advisor.speed.gpus import GPUS
+
+    below = [g for g in GPUS.values() if g.capability <= cap] or list(GPUS.values())
+    return max(below, key=lambda g: g.capability).word
+
+
+def _letters(verdicts: dict[tuple[str, str], str]) -> str:
+    per = {mm: _LETTER[v] for (_, mm), v in verdicts.items()}
+    return "/".join(per.get(mm, "-") for mm in ("fprop", "dgrad", "wgrad"))
+
+
+def _case(mkn: tuple[int, int, int]) -> tuple[torch.Tensor, torch.Tensor]:
+    """A case's input and weight, the same for the real and the emulated run."""
+    m, k, n = mkn
+    gen = torch.Generator().manual_seed(0)
+    return torch.randn(m, k, generator=gen), torch.randn(n, k, generator=gen) / k**0.5
+
+
+def _real_run(device: torch.device, rule: str, mkn: tuple[int, int, int], cap: Any) -> Any:
+    """One step on ``device`` with each kernel call recorded as it runs: (verdicts, grads)."""
+    from mixprec._src.dryrun.run import _rows
+    from mixprec._src.fp8.kernels import Target, routed_as
+
+    def launch(found: Any, call: Any) -> torch.Tensor:
+        try:
+            out = call.run()
+        except RuntimeError as exc:
+            found.calls.append((found.site, "kernel", (call, [str(exc).splitlines()[0]])))
+            raise
+        found.calls.append((found.site, "kernel", (call, [])))
+        return out
+
+    x0, w0 = _case(mkn)
+    model = torch.nn.Sequential(torch.nn.Linear(mkn[1], mkn[2], bias=False)).to(device)
+    with torch.no_grad():
+        model[0].weight.copy_(w0)
+    x = x0.to(device).requires_grad_()
+    found = Target(cap or (0, 0), launch=launch)
+    torch.manual_seed(0)
+    try:
+        with routed_as(found):
+            with mixprec.autocast(device.type, torch.bfloat16, policy=f"0={rule}"):
+                out = model(x)
+            out.float().square().mean().backward()
+    except mixprec.errors.ConfigError:  # refused before any matmul ran (a mix of paths)
+        return {}, None
+    except RuntimeError:  # a kernel refused its call: recorded by launch
+        pass
+    verdicts: dict[tuple[str, str], str] = {}
+    for row in _rows(found, "this GPU"):
+        verdicts[(row.module, row.matmul)] = row.verdict
+    grads = None if x.grad is None else [out.detach(), x.grad, model[0].weight.grad]
+    return verdicts, grads
+
+
+def _emulated(device: torch.device, rule: str, mkn: tuple[int, int, int]) -> list[torch.Tensor]:
+    """The same step on ``device`` with every matmul emulated (the same random draws)."""
+    from mixprec._src.fp8.matmul import Plan, fp8_linear
+    from mixprec._src.fp8.recipes import get_recipe
+
+    x0, w0 = _case(mkn)
+    x, w = x0.to(device).requires_grad_(), w0.to(device).requires_grad_()
+    torch.manual_seed(0)
+    plan = Plan(get_recipe(mixprec.Rule(rule).recipe or ""), torch.bfloat16, False)
+    out = fp8_linear(x, w, None, plan)
+    out.float().square().mean().backward()
+    assert x.grad is not None and w.grad is not None
+    return [out.detach(), x.grad, w.grad]
+
+
+def dry_run_check(device: torch.device) -> tuple[list[str], bool]:
+    """#37: the dry run's answer for this GPU against what the GPU does with the same calls."""
+    cap = torch.cuda.get_device_capability(device) if device.type == "cuda" else None
+    word = _gpu_word(cap or (9, 0))
+    rows = [
+        f"dry run as {word}; this device: {device} (compute capability {cap})",
+        "",
+        "| rule | M x K x N | dry run | ran | output dB | grad input dB | grad weight dB |",
+        "|---|---|---|---|---:|---:|---:|",
+    ]
+    ok = True
+    for rule in DRY_RULES:
+        for mkn in DRY_SHAPES:
+            rows_, good = _dry_case(device, rule, mkn, word, cap)
+            rows.append(rows_)
+            ok &= good
+    return rows, ok
+
+
+def _dry_case(
+    device: torch.device, rule: str, mkn: tuple[int, int, int], word: str, cap: Any
+) -> tuple[str, bool]:
+    m, k, n = mkn
+    model = torch.nn.Sequential(torch.nn.Linear(k, n, bias=False))
+    x = torch.empty(m, k, requires_grad=True)
+    try:
+        run = mixprec.dry_run(
+            model, x, lambda mo, b: mo(b).float().square().mean(), f"0={rule}", word
+        )
+    except mixprec.errors.ConfigError as exc:  # the recipe's blocks do not tile the features
+        return f"| {rule} | {m}x{k}x{n} | skipped: {str(exc)[:40]} | | | | |", True
+    said = "refused" if run.error else _letters(run.verdicts())
+    ran, grads = _real_run(device, rule, mkn, cap)
+    did = _letters(ran) if ran else "refused"
+    db = ["-"] * 3
+    good = said == did
+    if grads is not None:
+        ref = _emulated(device, rule, mkn)
+        vals = [
+            float(20 * torch.log10(r.double().norm() / (r.double() - a.double()).norm()))
+            for a, r in zip(grads, ref, strict=True)
+        ]
+        db = [f"{v:.1f}" for v in vals]
+        good &= all(v > 30 for v in vals)
+    return (
+        f"| {rule} | {m}x{k}x{n} | {said} | {did} | "
+        + " | ".join(db)
+        + " |"
+        + ("" if good else " DIFFERS")
+    ), good
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--device", default="cuda", help="cuda (default); cpu: parts 1-2 only")
@@ -311,6 +455,11 @@ def main(argv: list[str] | None = None) -> int:
         fp8_rows, fp8_ok = fp8_check(device)  # fp8 (#14)
         ok &= fp8_ok
         section = ["## 5. Low-precision matmuls: hardware against emulation", "", *fp8_rows, ""]
+        print("\n".join(section), flush=True)
+        more += section
+        dry_rows, dry_ok = dry_run_check(device)  # the dry run's cases for real (#37)
+        ok &= dry_ok
+        section = ["## 6. The dry run against the GPU", "", *dry_rows, ""]
         print("\n".join(section), flush=True)
         more += section
     all_ok = ok and path_ok and folded_ok and syncs_ok

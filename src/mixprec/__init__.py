@@ -22,6 +22,7 @@ from mixprec._src.autocast.region import autocast
 from mixprec._src.autocast.rules import Rule
 from mixprec._src.autocast.schedule import Schedule
 from mixprec._src.dist.norms import distributed_clip_grad_norm_
+from mixprec._src.dryrun.run import dry_run
 from mixprec._src.fp8.stats import Fp8Stats
 from mixprec._src.kernels.flat import flatten_grads
 from mixprec._src.master import MasterWeights
@@ -49,6 +50,7 @@ __all__ = [
     "custom_fwd",
     "distributed",
     "distributed_clip_grad_norm_",
+    "dry_run",
     "errors",
     "find_nonfinite",
     "flatten_grads",

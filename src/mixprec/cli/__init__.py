@@ -1,4 +1,4 @@
-"""The ``mixprec`` command line: ``mixprec demo``, ``mixprec advise`` (or ``python -m mixprec``).
+"""The ``mixprec`` command line: ``demo``, ``advise``, ``dry-run`` (or ``python -m mixprec``).
 
 Each subcommand is a module of this package that defines ``COMMAND``, a
 :class:`mixprec.cli._command.Command`; :data:`COMMANDS` lists them. The conventions every
@@ -21,12 +21,13 @@ from mixprec.errors import MixprecError
 __all__ = ["COMMANDS", "main"]
 
 #: The subcommands, in the order ``mixprec --help`` lists them (modules of ``mixprec.cli``).
-COMMANDS = ("demo", "advise")
+COMMANDS = ("demo", "advise", "dry_run")
 
 _EXAMPLES = """examples:
   mixprec demo                  why fp16 training needs loss scaling, measured and drawn
   mixprec demo --help           the demo's options
   mixprec advise --help         propose a precision policy for your model
+  mixprec dry-run --help        what a policy would run on a GPU, checked on the CPU
   python -m mixprec --version
 """
 

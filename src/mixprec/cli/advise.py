@@ -28,7 +28,7 @@ from mixprec.cli._command import Command, CommandError
 from mixprec.cli._output import emit, folder_problem, write_file
 from mixprec.errors import ConfigError
 
-__all__ = ["COMMAND", "load_factory", "run"]
+__all__ = ["COMMAND", "call_factory", "load_factory", "run", "unpack"]
 
 _EXAMPLE = "examples/advise_gpt.py:make_gpt"
 
@@ -258,7 +258,9 @@ def run(args: argparse.Namespace) -> int:
     """Build the model with the factory, advise, print the report."""
     if args.threads is not None:
         torch.set_num_threads(args.threads)
-    model, batch, loss_fn = unpack(_call(load_factory(args.target), args.target), args.target)
+    model, batch, loss_fn = unpack(
+        call_factory(load_factory(args.target), args.target), args.target
+    )
     progress = None if args.no_progress else _progress_lines
     advice = mixprec.advise(
         model,
@@ -297,7 +299,8 @@ def _globs(text: str | None) -> list[str] | None:
     return [g.strip() for g in split_entries(text) if g.strip()]
 
 
-def _call(factory: Callable[[], Any], target: str) -> Any:
+def call_factory(factory: Callable[[], Any], target: str) -> Any:
+    """The factory's result; its own errors as one line (a CommandError)."""
     try:
         return factory()
     except (ConfigError, KeyboardInterrupt):

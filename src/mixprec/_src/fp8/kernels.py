@@ -11,7 +11,11 @@ for MX and NVFP4, outer-dimension-major fp32 for 1x128, K-major padded to 4 for 
 
 from __future__ import annotations
 
-from typing import NamedTuple
+import contextlib
+from collections.abc import Iterator
+from contextvars import ContextVar
+from dataclasses import dataclass, field
+from typing import Any, NamedTuple
 
 import torch
 import torch.nn.functional as F
@@ -21,6 +25,120 @@ from mixprec._src.fp8.casts import Quantized
 from mixprec._src.fp8.recipes import Cast
 
 _E2M1_CODES = (0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0)
+Scales = torch.Tensor | list[torch.Tensor]
+
+
+@dataclass(frozen=True)
+class KernelCall:
+    """One hardware matmul call, as built: ``torch._scaled_mm`` (``recipe_a`` None) or
+    ``F.scaled_mm`` with block scales. A dry run records and checks these instead of running
+    them (:mod:`mixprec._src.dryrun`); :meth:`run` runs one.
+
+    Attributes:
+        a, b: the operands (``a`` row-major, ``b`` column-major for CUDA).
+        scale_a, scale_b: the scales as passed (a list for NVFP4's two levels).
+        recipe_a, recipe_b: ``F.ScalingType`` names per scale (empty: ``torch._scaled_mm``).
+        swizzle_a, swizzle_b: ``F.SwizzleType`` names per scale (empty: none given).
+        out_dtype: the output dtype. fast_accum: fast (non-IEEE) accumulation. bias: if any.
+        blocks_a, blocks_b: the (rows, cols) block-scale matrix each swizzled scale lays out,
+            for the content check; None where the scale is not swizzled.
+    """
+
+    a: torch.Tensor
+    b: torch.Tensor
+    scale_a: Scales
+    scale_b: Scales
+    out_dtype: torch.dtype
+    recipe_a: tuple[str, ...] = ()
+    recipe_b: tuple[str, ...] = ()
+    swizzle_a: tuple[str, ...] = ()
+    swizzle_b: tuple[str, ...] = ()
+    fast_accum: bool = False
+    bias: torch.Tensor | None = None
+    blocks_a: tuple[int, int] | None = field(default=None)
+    blocks_b: tuple[int, int] | None = field(default=None)
+
+    def run(self) -> torch.Tensor:
+        """The kernel's output. Host sync: none."""
+        if not self.recipe_a:
+            return torch_compat.scaled_mm(
+                self.a,
+                self.b,
+                scale_a=_one(self.scale_a),
+                scale_b=_one(self.scale_b),
+                bias=self.bias,
+                out_dtype=self.out_dtype,
+                use_fast_accum=self.fast_accum,
+            )
+        return F.scaled_mm(
+            self.a,
+            self.b,
+            scale_a=self.scale_a,
+            scale_recipe_a=_enums(F.ScalingType, self.recipe_a),
+            scale_b=self.scale_b,
+            scale_recipe_b=_enums(F.ScalingType, self.recipe_b),
+            swizzle_a=_enums(F.SwizzleType, self.swizzle_a) if self.swizzle_a else None,
+            swizzle_b=_enums(F.SwizzleType, self.swizzle_b) if self.swizzle_b else None,
+            bias=self.bias,
+            output_dtype=self.out_dtype,
+            use_fast_accum=self.fast_accum,
+        )
+
+
+def _one(scale: Scales) -> torch.Tensor:
+    return scale[0] if isinstance(scale, list) else scale
+
+
+def _enums(kind: Any, names: tuple[str, ...]) -> Any:
+    found = [getattr(kind, n) for n in names]
+    return found[0] if len(found) == 1 else found
+
+
+@dataclass
+class Target:
+    """A GPU a dry run routes as (its compute capability), the call site being run, and the
+    kernel calls recorded there; the one state of a dry run (:func:`routed_as`)."""
+
+    capability: tuple[int, int]
+    site: tuple[str, str, str] = ("", "", "")  # module, matmul, recipe
+    calls: list[Any] = field(default_factory=list)
+    launch: Any = None  # (target, call) -> output: the dry run's checker
+
+    def note(self, kind: str, detail: Any) -> None:
+        """Record a matmul that takes no kernel: ``"emulated"`` or ``"high"`` (precision).
+        Host sync: none."""
+        self.calls.append((self.site, kind, detail))
+
+
+_TARGET: ContextVar[Target | None] = ContextVar("mixprec_dry_run_target", default=None)
+
+
+def target() -> Target | None:
+    """The dry run in progress, if any (a dry run runs eagerly: never in compiled code, which
+    does not trace a context variable). Host sync: none."""
+    if torch.compiler.is_compiling():
+        return None
+    return _TARGET.get()
+
+
+@contextlib.contextmanager
+def routed_as(found: Target) -> Iterator[Target]:
+    """Route meta tensors' matmuls as ``found``'s GPU would, recording each kernel call.
+    Host sync: none."""
+    token = _TARGET.set(found)
+    try:
+        yield found
+    finally:
+        _TARGET.reset(token)
+
+
+def launch(call: KernelCall) -> torch.Tensor:
+    """Run ``call``, or hand it to the dry run (or recorder) in progress. Host sync: none."""
+    found = target()
+    if found is not None and found.launch is not None:
+        out: torch.Tensor = found.launch(found, call)
+        return out
+    return call.run()
 
 
 class Side(NamedTuple):
@@ -100,6 +218,27 @@ def pack_e2m1(values: torch.Tensor) -> torch.Tensor:
     return packed.contiguous().view(torch.float4_e2m1fn_x2)
 
 
+def unpack_e2m1(packed: torch.Tensor) -> torch.Tensor:
+    """The inverse of :func:`pack_e2m1`: the e2m1 values, one per element, held in e4m3 (signed
+    zeros kept).
+
+    Example:
+        >>> unpack_e2m1(pack_e2m1(torch.tensor([[0.5, -6.0]]))).float().tolist()
+        [[0.5, -6.0]]
+
+    Host sync: none.
+    """
+    b = packed.view(torch.uint8)
+    nibbles = torch.stack((b & 0xF, b >> 4), dim=-1).reshape(*b.shape[:-1], -1)
+    levels = torch.tensor(_E2M1_CODES, dtype=torch.float32, device=b.device)
+    table = torch.cat((levels, -levels)).to(torch.float8_e4m3fn)
+    return table[nibbles.long()]
+
+
+def _shape(scale: torch.Tensor) -> tuple[int, int]:
+    return scale.shape[0], scale.shape[1]
+
+
 def _per_row(scale: torch.Tensor, rows: int) -> torch.Tensor:
     """2D block scales as 1D block scales: each block row repeated over the rows it covers."""
     return scale if rows == 1 else scale.repeat_interleave(rows, dim=0)
@@ -124,14 +263,10 @@ def tensor_row_mm(a: Side, b: Side, out: torch.dtype, fast_accum: bool) -> torch
     if rowwise and not fast_accum:
         post, ia, ib = ia * ib, ia.new_ones(()), ia.new_ones(())
     kernel_out = torch.bfloat16 if rowwise else out  # rowwise kernels write bf16 only
-    res = torch_compat.scaled_mm(
-        qa.contiguous(),
-        bt.contiguous().t(),
-        scale_a=ia,
-        scale_b=ib,
-        out_dtype=kernel_out,
-        use_fast_accum=fast_accum,
+    call = KernelCall(
+        qa.contiguous(), bt.contiguous().t(), ia, ib, kernel_out, fast_accum=fast_accum
     )
+    res = launch(call)
     return (res if post is None else res * post).to(out)
 
 
@@ -152,54 +287,60 @@ def _mx(a: Side, b: Side, out: torch.dtype) -> torch.Tensor:
     qa, sa, _ = oriented(a)
     bt, sbt, _ = oriented(b.flipped())
     e8m0 = torch.float8_e8m0fnu
-    res = F.scaled_mm(
+    call = KernelCall(
         qa.contiguous(),
         bt.contiguous().t(),
-        scale_a=to_blocked(sa).view(e8m0),
-        scale_recipe_a=F.ScalingType.BlockWise1x32,
-        scale_b=to_blocked(sbt).view(e8m0),
-        scale_recipe_b=F.ScalingType.BlockWise1x32,
-        swizzle_a=F.SwizzleType.SWIZZLE_32_4_4,
-        swizzle_b=F.SwizzleType.SWIZZLE_32_4_4,
-        output_dtype=torch.bfloat16,
+        to_blocked(sa).view(e8m0),
+        to_blocked(sbt).view(e8m0),
+        torch.bfloat16,
+        recipe_a=("BlockWise1x32",),
+        recipe_b=("BlockWise1x32",),
+        swizzle_a=("SWIZZLE_32_4_4",),
+        swizzle_b=("SWIZZLE_32_4_4",),
+        blocks_a=_shape(sa),
+        blocks_b=_shape(sbt),
     )
-    return res.to(out)
+    return launch(call).to(out)
 
 
 def _nvfp4(a: Side, b: Side, out: torch.dtype) -> torch.Tensor:
     qa, sa, ra = oriented(a)
     bt, sbt, rb = oriented(b.flipped())
     assert a.q.tensor_scale is not None and b.q.tensor_scale is not None
-    swz = [F.SwizzleType.SWIZZLE_32_4_4, F.SwizzleType.NO_SWIZZLE]
-    kinds = [F.ScalingType.BlockWise1x16, F.ScalingType.TensorWise]
-    res = F.scaled_mm(
+    swz = ("SWIZZLE_32_4_4", "NO_SWIZZLE")
+    kinds = ("BlockWise1x16", "TensorWise")
+    rows_a, rows_b = _per_row(sa, ra), _per_row(sbt, rb)
+    call = KernelCall(
         pack_e2m1(qa),
         pack_e2m1(bt).t(),
-        scale_a=[to_blocked(_per_row(sa, ra)).view(torch.float8_e4m3fn), a.q.tensor_scale],
-        scale_recipe_a=kinds,
-        scale_b=[to_blocked(_per_row(sbt, rb)).view(torch.float8_e4m3fn), b.q.tensor_scale],
-        scale_recipe_b=kinds,
+        [to_blocked(rows_a).view(torch.float8_e4m3fn), a.q.tensor_scale],
+        [to_blocked(rows_b).view(torch.float8_e4m3fn), b.q.tensor_scale],
+        torch.bfloat16,
+        recipe_a=kinds,
+        recipe_b=kinds,
         swizzle_a=swz,
         swizzle_b=swz,
-        output_dtype=torch.bfloat16,
+        blocks_a=_shape(rows_a),
+        blocks_b=_shape(rows_b),
     )
-    return res.to(out)
+    return launch(call).to(out)
 
 
 def _blocks_128(a: Side, b: Side, out: torch.dtype) -> torch.Tensor:
     qa, sa, _ = oriented(a)
     bt, sbt, rb = oriented(b.flipped())
     if rb > 1:  # 128x128 weight blocks: K-major, the K blocks padded to a multiple of 4
-        scale_b = F.pad(sbt, (0, -sbt.shape[1] % 4), value=1.0).t()
-        kind_b = F.ScalingType.BlockWise128x128
+        scale_b = F.pad(sbt, (0, -sbt.shape[1] % 4), value=1.0).contiguous().t()
+        kind_b = "BlockWise128x128"
     else:  # 1x128: outer-dimension-major
-        scale_b, kind_b = sbt.t().contiguous().t(), F.ScalingType.BlockWise1x128
-    return F.scaled_mm(
+        scale_b, kind_b = sbt.t().contiguous().t(), "BlockWise1x128"
+    call = KernelCall(
         qa.contiguous(),
         bt.contiguous().t(),
-        scale_a=sa.t().contiguous().t(),
-        scale_recipe_a=F.ScalingType.BlockWise1x128,
-        scale_b=scale_b,
-        scale_recipe_b=kind_b,
-        output_dtype=out,
+        sa.t().contiguous().t(),
+        scale_b,
+        out,
+        recipe_a=("BlockWise1x128",),
+        recipe_b=(kind_b,),
     )
+    return launch(call)

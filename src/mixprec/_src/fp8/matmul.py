@@ -18,6 +18,7 @@ over it); the feature dimensions must be multiples of the recipe's blocks (check
 
 from __future__ import annotations
 
+import contextlib
 from dataclasses import dataclass
 from typing import Any
 
@@ -25,12 +26,12 @@ import torch
 import torch.nn.functional as F
 
 from mixprec._src import torch_compat
-from mixprec._src.devices import caps
+from mixprec._src.devices import DeviceCaps, caps
 from mixprec._src.fp8 import kernels
 from mixprec._src.fp8.carrier import gathered
 from mixprec._src.fp8.casts import Quantized, cast_stats, dequantize, quantize
 from mixprec._src.fp8.kernels import Side
-from mixprec._src.fp8.recipes import MATMULS, Cast, Recipe
+from mixprec._src.fp8.recipes import E2M1, MATMULS, Cast, Recipe
 from mixprec._src.fp8.stats import Slot
 from mixprec.errors import ConfigError
 
@@ -61,12 +62,20 @@ def use_scaled_mm(device: torch.device, recipe: Recipe | None = None) -> bool:
     """
     if recipe is not None and recipe.parts:
         return _parts_path(device, recipe)
-    row = caps(device)
+    row, cap = _routing(device)
     if not row.fp8_scaled_mm or (recipe is not None and recipe.blocked and not row.block_scaled_mm):
         return False
-    cap = _capability(device)
     low, high = recipe.capability if recipe is not None else ((8, 9), (99, 0))
     return cap is not None and low <= cap < high
+
+
+def _routing(device: torch.device) -> tuple[DeviceCaps, tuple[int, int] | None]:
+    """The device table's row and the compute capability that route ``device``'s matmuls: a
+    dry run's GPU for meta tensors (:func:`.kernels.routed_as`)."""
+    found = kernels.target()
+    if device.type == "meta" and found is not None:
+        return caps("cuda"), found.capability
+    return caps(device), _capability(device)
 
 
 def _parts_path(device: torch.device, recipe: Recipe) -> bool:
@@ -80,7 +89,7 @@ def _parts_path(device: torch.device, recipe: Recipe) -> bool:
     }
     if len(set(paths.values())) == 1:
         return next(iter(paths.values()))
-    cap = _capability(device)
+    cap = _routing(device)[1]
     on = [f"{m} ({recipe.parts[MATMULS.index(m)]})" for m in MATMULS if paths.get(m)]
     off = [
         f"{m} ({s.name}: compute capability {'.'.join(map(str, s.capability[0]))} to below "
@@ -108,6 +117,14 @@ class Plan:
     name: str = ""
 
 
+def native_off(device: torch.device) -> contextlib.AbstractContextManager[Any]:
+    """Native autocast off for ``device``'s type; nothing on the meta device, which has no
+    autocast (a dry run's tensors). Host sync: none."""
+    if device.type == "meta":
+        return contextlib.nullcontext()
+    return torch.autocast(device.type, enabled=False)
+
+
 def _cast(
     plan: Plan,
     x: torch.Tensor,
@@ -131,20 +148,36 @@ def _values(side: Side) -> torch.Tensor:
     return out.t() if side.t else out
 
 
-def _hardware_ok(plan: Plan, a: Side, b: Side) -> bool:
-    if not plan.scaled_mm:
-        return False
+def _dims(a: Side, b: Side) -> tuple[int, int, int]:
     m, k = a.q.codes.shape[::-1] if a.t else a.q.codes.shape
     n = b.q.codes.shape[0] if b.t else b.q.codes.shape[1]
-    return m % 16 == 0 and k % 16 == 0 and n % 16 == 0
+    return m, k, n
 
 
-def _mm(plan: Plan, a: Side, b: Side, fast_accum: bool = False, count: bool = True) -> torch.Tensor:
+def _hardware_ok(plan: Plan, a: Side, b: Side) -> bool:
+    return plan.scaled_mm and all(d % 16 == 0 for d in _dims(a, b))
+
+
+def _site(plan: Plan, matmul: int) -> kernels.Target | None:
+    """The dry run in progress, told which module, matmul and recipe run next."""
+    found = kernels.target()
+    if found is not None:
+        part = plan.recipe.parts[matmul] if plan.recipe.parts else plan.recipe.name
+        found.site = (plan.name, MATMULS[matmul], part)
+    return found
+
+
+def _mm(
+    plan: Plan, a: Side, b: Side, matmul: int, fast_accum: bool = False, count: bool = True
+) -> torch.Tensor:
     """``a @ b`` on the hardware path where it applies, else emulated; counted per path."""
     hardware = _hardware_ok(plan, a, b)
     if count and plan.slot is not None:
         plan.slot.count_path(hardware)
+    found = _site(plan, matmul)
     if not hardware:
+        if found is not None:
+            found.note("emulated", (plan.scaled_mm, _dims(a, b)))
         return torch.mm(_values(a), _values(b)).to(plan.hp)
     if a.cast.block[1] > 0:
         return kernels.block_mm(a, b, plan.hp)
@@ -155,6 +188,7 @@ def _hp_mm(
     plan: Plan,
     a: torch.Tensor,
     b: torch.Tensor,
+    matmul: int,
     dtype: torch.dtype | None = None,
     bias: torch.Tensor | None = None,
 ) -> torch.Tensor:
@@ -163,6 +197,9 @@ def _hp_mm(
     the activations arrive), torch's matmul in that dtype, the result in the region's dtype."""
     dtype = dtype or plan.hp
     a, b = a.to(dtype), b.to(dtype)
+    found = _site(plan, matmul)
+    if found is not None:
+        found.note("high", (a.dtype, (a.shape[0], a.shape[1], b.shape[1])))
     out = a.mm(b) if bias is None else torch.addmm(bias.to(dtype), a, b)
     return out.to(plan.hp)
 
@@ -178,17 +215,23 @@ def _pad_rows(t: torch.Tensor, multiple: int) -> torch.Tensor:
     return F.pad(t, (0, 0, 0, extra)) if extra else t
 
 
-def _save(q: Quantized | None, hp: torch.Tensor) -> tuple[Any, ...]:
-    """What to keep of an operand: its cast (reused by the second matmul) or itself."""
+def _save(q: Quantized | None, hp: torch.Tensor, cast: Cast | None) -> tuple[Any, ...]:
+    """What to keep of an operand: its cast (reused by the second matmul; fp4 codes packed two
+    a byte) or itself."""
     if q is None:
         return hp, None, None, None
-    return q.codes, q.scale, q.tensor_scale, q.block
+    codes = q.codes
+    if cast is not None and cast.dtype == E2M1 and codes.shape[-1] % 2 == 0:
+        codes = kernels.pack_e2m1(codes).view(torch.uint8)  # uint8: packed (codes are fp8)
+    return codes, q.scale, q.tensor_scale, q.block
 
 
 def _load(saved: tuple[Any, ...]) -> tuple[torch.Tensor | None, Quantized | None]:
     codes, scale, tensor_scale, block = saved
     if block is None:
         return codes, None
+    if codes is not None and codes.dtype == torch.uint8:  # fp4 codes packed by _save
+        codes = kernels.unpack_e2m1(codes)
     return None, Quantized(codes, scale, tensor_scale, scale, block)
 
 
@@ -208,14 +251,14 @@ class Fp8Linear(torch.autograd.Function):
         record = plan.slot is not None and not torch_compat.running_backward()
         qx = qw = None
         if r.x is None or r.w is None:  # the output matmul in high precision
-            out = _hp_mm(plan, x2d, weight.t(), r.high[0], bias)
+            out = _hp_mm(plan, x2d, weight.t(), 0, r.high[0], bias)
         else:
             qx = _cast(plan, x2d, r.x, 1, _INPUT, True, record)
             qw = gathered(weight, 1, r.w) or _cast(plan, weight, r.w, 1, _WEIGHT, True, record)
-            out = _mm(plan, Side(qx, r.x), Side(qw, r.w, True), fast_accum=True, count=record)
+            out = _mm(plan, Side(qx, r.x), Side(qw, r.w, True), 0, fast_accum=True, count=record)
         need_x, need_w = ctx.needs_input_grad[0], ctx.needs_input_grad[1]
-        keep_x = _save(qx if _shared(r.x, r.x_gw) else None, x2d)
-        keep_w = _save(qw if _shared(r.w, r.w_gi) else None, weight)
+        keep_x = _save(qx if _shared(r.x, r.x_gw) else None, x2d, r.x)
+        keep_w = _save(qw if _shared(r.w, r.w_gi) else None, weight, r.w)
         ctx.x_meta, ctx.w_meta = keep_x[3], keep_w[3]
         ctx.save_for_backward(
             *(keep_x[:3] if need_w else (None,) * 3),
@@ -231,7 +274,7 @@ class Fp8Linear(torch.autograd.Function):
         # autocast state, which would turn the fp32 matmuls of dequantized values into bf16 ones.
         saved = ctx.saved_tensors
         twice = torch.is_grad_enabled() and not torch.compiler.is_compiling()
-        with torch.autocast(dy.device.type, enabled=False), torch.no_grad():
+        with native_off(dy.device), torch.no_grad():
             x = _load((*saved[0:3], ctx.x_meta))
             w = _load((*saved[3:6], ctx.w_meta))
             dx, dw = _backward(ctx.plan, ctx.needs_input_grad, dy, x, w, ctx.wdtype)
@@ -259,7 +302,7 @@ def _backward(
         w_hp, qw = w
         if r.dy_gi is None or r.w_gi is None:  # grad_input in high precision
             assert w_hp is not None
-            dx = _hp_mm(plan, dy, w_hp, r.high[1])
+            dx = _hp_mm(plan, dy, w_hp, 1, r.high[1])
         else:
             qdy = _cast(plan, dy, r.dy_gi, 1, _GRAD_OUTPUT, True, True)
             if qw is None:
@@ -267,12 +310,12 @@ def _backward(
                 # (its inf/NaN counted here when the forward did not cast it: fprop in hp)
                 first = r.w is None
                 qw = gathered(w_hp, 0, r.w_gi) or _cast(plan, w_hp, r.w_gi, 0, _WEIGHT, first, True)
-            dx = _mm(plan, Side(qdy, r.dy_gi), Side(qw, r.w_gi))
+            dx = _mm(plan, Side(qdy, r.dy_gi), Side(qw, r.w_gi), 1)
     if needs[1]:
         x_hp, qx = x
         if r.dy_gw is None or r.x_gw is None:  # grad_weight in high precision
             assert x_hp is not None
-            dw = _hp_mm(plan, dy.t(), x_hp.to(plan.hp), r.high[2])
+            dw = _hp_mm(plan, dy.t(), x_hp.to(plan.hp), 2, r.high[2])
         else:
             rows = r.multiples()[0]  # the tokens, zero-padded to the blocks along them
             if qdy is None or not _shared(r.dy_gi, r.dy_gw):
@@ -282,7 +325,7 @@ def _backward(
                 assert x_hp is not None
                 padded = _pad_rows(x_hp, rows)
                 qx = _cast(plan, padded, r.x_gw, 0, _INPUT, r.x is None, True, x_hp.numel())
-            dw = _mm(plan, Side(qdy, r.dy_gw, True), Side(qx, r.x_gw))
+            dw = _mm(plan, Side(qdy, r.dy_gw, True), Side(qx, r.x_gw), 2)
         dw = dw.to(wdtype)
     return dx, dw
 
@@ -328,7 +371,7 @@ def fp8_linear(
 
     Host sync: none.
     """
-    with torch.autocast(x.device.type, enabled=False):
+    with native_off(x.device):
         lead = x.shape[:-1]
         xh = x.to(plan.hp)
         x2d = xh.reshape(-1, x.shape[-1])
