@@ -36,6 +36,7 @@ from tests.fp8_harness import (
     interleaved,
     make_input,
     refused,
+    unique_graphs,
 )
 from torch import nn
 from torch.nn.utils import parametrizations
@@ -396,7 +397,9 @@ def test_compiled_spellings_and_computed_weights_are_served(case: str) -> None:
     make = _spelled(case) if case in SPELLINGS else COMPUTED[case]
     cases = COMPILED_SPELLINGS + COMPILED_FORMS
     rule = list(RULES)[cases.index(case) % len(RULES)]
+    before = unique_graphs()
     interleaved(make, _class_rule, rule, "eager", wrap=compile_once())
+    assert unique_graphs() > before  # it did compile
 
 
 @pytest.mark.slow
