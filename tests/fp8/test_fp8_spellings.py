@@ -202,6 +202,19 @@ class LowRank(nn.Module):
         return w + torch.mm(self.b, self.a)
 
 
+class Projected(nn.Module):
+    """A custom parametrization multiplying by a plain tensor attribute (neither a parameter, a
+    buffer nor a constant made in the forward): inside a parametrization it computes the
+    weight all the same."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.p = torch.eye(D) + torch.randn(D, D) / D
+
+    def forward(self, w: torch.Tensor) -> torch.Tensor:
+        return self.p @ w
+
+
 def _custom(parametrization: Callable[[], nn.Module]) -> Callable[[nn.Linear], nn.Linear]:
     def apply(lin: nn.Linear) -> nn.Linear:
         parametrize.register_parametrization(lin, "weight", parametrization())
@@ -285,6 +298,7 @@ COMPUTED: dict[str, Callable[[], nn.Module]] = {
     "weight_norm-old-style": lambda: OldStyle(spectral=False),
     "custom-eye-gram": lambda: Reparametrized(_custom(EyeGram)),
     "custom-low-rank": lambda: Reparametrized(_custom(LowRank)),
+    "custom-plain-tensor": lambda: Reparametrized(_custom(Projected)),
     "inline-eye": lambda: Holder(InlineEye()),
 }
 
@@ -309,7 +323,9 @@ def test_the_computed_forms_oracle_is_not_the_plain_region(form: str) -> None:
     assert_not_plain(COMPUTED[form])
 
 
-@pytest.mark.parametrize("form", ["orthogonal-cayley", "custom-eye-gram", "inline-eye"])
+@pytest.mark.parametrize(
+    "form", ["orthogonal-cayley", "custom-eye-gram", "custom-plain-tensor", "inline-eye"]
+)
 def test_only_the_consuming_matmul_is_recorded(form: str) -> None:
     """One record, under the Linear's name, with the input's elements: nothing of the matmuls
     computing the weight (the parametrization's own modules are not served)."""
@@ -386,7 +402,7 @@ COMPILED_SPELLINGS = [
     "torch.addmm(beta=,alpha=)",
     "W.t().__rmatmul__(x)",
 ]
-COMPILED_FORMS = ["orthogonal-cayley", "custom-eye-gram", "inline-eye"]
+COMPILED_FORMS = ["orthogonal-cayley", "custom-eye-gram", "custom-plain-tensor", "inline-eye"]
 
 
 @pytest.mark.slow

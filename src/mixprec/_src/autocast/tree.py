@@ -18,13 +18,12 @@ import weakref
 from dataclasses import dataclass
 
 from torch import nn
-from torch.nn.utils import parametrize
 
 from mixprec._src import torch_compat
 from mixprec._src.autocast.fp8 import check_attention
 from mixprec._src.autocast.policy import Policy
 from mixprec._src.autocast.rules import Rule
-from mixprec._src.fp8.hook import can_serve
+from mixprec._src.fp8.hook import can_serve, computes_weight
 
 _PLANS_KEPT = 8
 
@@ -67,17 +66,6 @@ def _serves_own_matrix(module: nn.Module) -> bool:
     return can_serve(type(module)) and any(p.dim() >= 2 for p in own)
 
 
-def _computing_weights(root: nn.Module) -> set[int]:
-    """The ids of the modules that compute a weight (torch's parametrizations, whatever their
-    class): never guarded, their matmuls compute the weight that the module's own consumes."""
-    return {
-        id(m)
-        for p in root.modules()
-        if isinstance(p, parametrize.ParametrizationList)
-        for m in p.modules()
-    }
-
-
 class Plan:
     """The effective rule of each module of one tree under one policy (by module id).
 
@@ -89,16 +77,15 @@ class Plan:
     def __init__(self, root: nn.Module, policy: Policy) -> None:
         self.rules: dict[int, Effective] = {}
         by_name: dict[str, Effective | None] = {}
-        computing = _computing_weights(root)
         for name, mod in root.named_modules(remove_duplicate=False):
             own = policy.rule_source(mod, name)
             if own is not None:
-                guard = own[1].fp8_family and _holds_matrix(mod) and id(mod) not in computing
+                guard = own[1].fp8_family and _holds_matrix(mod) and not computes_weight(name)
                 eff: Effective | None = Effective(name, own[1], own[0], guard)
             else:
                 up = by_name.get(name.rpartition(".")[0]) if name else None
                 guard = up is not None and up.rule.fp8_family and _serves_own_matrix(mod)
-                guard = guard and id(mod) not in computing
+                guard = guard and not computes_weight(name)  # a parametrization
                 eff = None if up is None else Effective(up.owner, up.rule, up.source, guard)
             by_name[name] = eff
             if eff is not None:

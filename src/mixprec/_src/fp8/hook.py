@@ -56,6 +56,20 @@ def can_serve(module_type: type) -> bool:
     return issubclass(module_type, nn.Linear) or not module_type.__module__.startswith("torch.")
 
 
+def computes_weight(name: str) -> bool:
+    """Whether the module of qualified name ``name`` is one of torch's parametrizations (kept at
+    ``<module>.parametrizations.<tensor>``, as ``register_parametrization`` documents): what its
+    forward computes is a weight, never an activation.
+
+    Example:
+        >>> computes_weight("fc.parametrizations.weight.0"), computes_weight("fc")
+        (True, False)
+
+    Host sync: none.
+    """
+    return "parametrizations" in name.split(".")[:-1]
+
+
 class Scope:
     """One module call served by a recipe: its name, the stats it records into, the module whose
     forward runs (its own weights are read again when a call misses them), and what it did (served
@@ -63,6 +77,7 @@ class Scope:
 
     __slots__ = (
         "called",
+        "computing",
         "guarded",
         "hp",
         "label",
@@ -90,6 +105,7 @@ class Scope:
         self.label = recipe.name if label is None else label  # the recipe its stats record
         self.served = 0
         self.called: list[str] = []  # the functions that took one of its weights
+        self.computing = computes_weight(name)  # whatever its matmuls take, they compute one
 
     def plan(self, device: torch.device) -> Plan:
         """The plan of one served matmul on ``device``. Host sync: none."""
@@ -302,6 +318,7 @@ class Fp8Mode(TorchFunctionMode):
         # inputs (an embedding's indices, the forward's input) makes the result an activation.
         weight_only = all(self._followed(t) or t.dim() == 0 or t in constants for t in tensors)
         scope = self.current()
+        weight_only = weight_only or (scope is not None and scope.computing)
         if scope is not None and not weight_only:
             served = _serve(self, scope, func, args, kwargs)
             if served is not None:
