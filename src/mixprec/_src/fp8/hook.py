@@ -413,16 +413,26 @@ def _serve_product(
 
 
 def _label(func: Any) -> str:
-    """How the user spelled ``func`` (``torch.linalg.vecdot``'s ``__name__`` is
-    ``linalg_vecdot``)."""
+    """How the user spelled ``func``."""
+    known = _LABELS.get(func)
+    if known is not None:
+        return known
     name = getattr(func, "__name__", repr(func))
     for prefix, space in (("F.", F), ("torch.", torch)):
         if getattr(space, name, None) is func:
             return prefix + name
-    short = name.removeprefix("linalg_")
-    if getattr(torch.linalg, short, None) is func:
-        return f"torch.linalg.{short}"
     return f"Tensor.{name}"
+
+
+def _linalg_label(func: Any) -> str:
+    name = func.__name__  # torch.linalg.vecdot's is linalg_vecdot
+    short = name.removeprefix("linalg_")
+    return f"torch.linalg.{short}" if getattr(torch.linalg, short, None) is func else _label(func)
+
+
+# Made at import (Dynamo traces a dict lookup, not the string methods).
+_LABELS: dict[Any, str] = {}
+_LABELS.update({f: _linalg_label(f) for f in (*_OPS, *_REFUSED)})
 
 
 def _unservable(name: str, what: str) -> str:
