@@ -156,7 +156,6 @@ _OPS: dict[Any, tuple[str, tuple[str, ...]]] = {
     torch.linalg.matmul: ("product", _PAIR),
     torch.Tensor.matmul: ("product", _PAIR),
     torch.Tensor.__matmul__: ("product", _PAIR),
-    torch.Tensor.__rmatmul__: ("rproduct", _PAIR),
     torch.mm: ("product", _MM),
     torch.Tensor.mm: ("product", _MM),
     torch.mv: ("product", _MV),
@@ -166,6 +165,9 @@ _OPS: dict[Any, tuple[str, tuple[str, ...]]] = {
     torch.addmv: ("addproduct", ("input", "mat", "vec")),
     torch.Tensor.addmv: ("addproduct", ("input", "mat", "vec")),
 }
+# ``Tensor.__rmatmul__`` is a Python function: compared with ``is``, never looked up in a dict
+# (Dynamo's guard on it as a dict key fails on torch 2.13.0, "Guard failed on the same frame").
+_RMATMUL = torch.Tensor.__rmatmul__
 _SCALES = ("beta", "alpha")  # addmm/addmv's keyword-only factors
 # Matmul-like ops the recipes cannot run with a weight operand: refused when one meets an
 # activation (``F.conv*`` is ``torch.conv*``).
@@ -346,7 +348,7 @@ def _bind(
     """A served op's kind, its operands in its signature's order (absent: None) and its
     ``beta, alpha``;
     refuses what the recipe's matmul cannot take (``out=``, ``out_dtype=``)."""
-    kind, names = _OPS[func]
+    kind, names = ("rproduct", _PAIR) if func is _RMATMUL else _OPS[func]
     known = (*names, *_SCALES) if kind == "addproduct" else names
     extra = [k for k in kwargs if k not in known]
     if len(args) > len(names) or extra:
@@ -365,7 +367,7 @@ def _serve(
     label = _label(func)
     if len(scope.called) < 8 and label not in scope.called:
         scope.called.append(label)
-    if func not in _OPS:
+    if func is not _RMATMUL and func not in _OPS:
         if func in _REFUSED:
             _refuse(scope.name, label)
         return None
@@ -414,6 +416,8 @@ def _serve_product(
 
 def _label(func: Any) -> str:
     """How the user spelled ``func``."""
+    if func is _RMATMUL:
+        return "Tensor.__rmatmul__"
     known = _LABELS.get(func)
     if known is not None:
         return known
