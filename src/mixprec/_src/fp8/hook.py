@@ -191,11 +191,11 @@ class _Tensors:
     the list while Dynamo traces (it does not trace ``id`` of a tensor); ``listed`` once anything
     was added while tracing (a graph break then runs the rest eagerly)."""
 
-    __slots__ = ("_ids", "items", "listed")
+    __slots__ = ("ids", "items", "listed")
 
     def __init__(self) -> None:
         self.items: list[torch.Tensor] = []
-        self._ids: dict[int, torch.Tensor] = {}
+        self.ids: dict[int, torch.Tensor] = {}
         self.listed = False
 
     def add(self, t: torch.Tensor) -> None:
@@ -203,12 +203,12 @@ class _Tensors:
         if torch.compiler.is_compiling():
             self.listed = True
         else:
-            self._ids[id(t)] = t
+            self.ids[id(t)] = t
 
     def __contains__(self, value: torch.Tensor) -> bool:
         if self.listed or torch.compiler.is_compiling():
             return any(value is t for t in self.items)
-        return self._ids.get(id(value)) is value
+        return self.ids.get(id(value)) is value
 
 
 def _tensors_of(args: tuple[Any, ...], kwargs: dict[str, Any]) -> list[torch.Tensor]:
@@ -286,7 +286,11 @@ class Fp8Mode(TorchFunctionMode):
     def _followed(self, value: object) -> bool:
         if not isinstance(value, torch.Tensor):
             return False
-        if value in self._followed_set:
+        found = self._followed_set
+        if found.listed or torch.compiler.is_compiling():
+            if any(value is t for t in found.items):
+                return True
+        elif found.ids.get(id(value)) is value:  # (inline: the eager hot path)
             return True
         # A module hook that runs after mixprec's (FSDP2's unshard) may have swapped one of the
         # running module's own weights in since its scope opened: read them as it holds them.
@@ -312,7 +316,8 @@ class Fp8Mode(TorchFunctionMode):
         constants = self._constants
         if not any(self._followed(t) for t in tensors):
             out = func(*args, **kwargs)
-            if all(t in constants for t in tensors):  # made from no tensor, or constants alone
+            # made from no tensor, or from constants alone
+            if not tensors or (constants.items and all(t in constants for t in tensors)):
                 for t in _outputs(out):
                     constants.add(t)
             return out
