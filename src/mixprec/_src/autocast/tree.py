@@ -24,7 +24,7 @@ from mixprec._src.autocast.fp8 import check_attention
 from mixprec._src.autocast.policy import Policy
 from mixprec._src.autocast.rules import Rule
 from mixprec._src.autocast.targets import module_places
-from mixprec._src.fp8.hook import can_serve
+from mixprec._src.fp8.hook import can_serve, computes_weight
 from mixprec.errors import ConfigError
 
 _PLANS_KEPT = 8
@@ -111,16 +111,16 @@ def _effective(
         return done[key]
     mod, names = places[key]
     own = policy.rule_for(mod, names)
+    computes = any(computes_weight(n) for n in names)  # a parametrization: never guarded
     if own is not None:
-        eff: Effective | None = Effective(
-            names[0], own[1], own[0], own[1].fp8_family and _holds_matrix(mod)
-        )
+        guard = own[1].fp8_family and _holds_matrix(mod) and not computes
+        eff: Effective | None = Effective(names[0], own[1], own[0], guard)
     else:
         ups = [e for p in parents[key] if (e := _effective(p, policy, places, parents, done))]
         if any(up.rule != ups[0].rule for up in ups):
             raise _inherits_two(names, ups)
         up = ups[0] if ups else None
-        guard = up is not None and up.rule.fp8_family and _serves_own_matrix(mod)
+        guard = up is not None and up.rule.fp8_family and _serves_own_matrix(mod) and not computes
         eff = None if up is None else Effective(up.owner, up.rule, up.source, guard)
     done[key] = eff
     return eff

@@ -3,16 +3,20 @@
 The caller (the autocast module hooks, or :func:`enter_module`) opens a :class:`Scope` per module
 call and keeps one :class:`Fp8Mode` entered while any scope is open in the thread. The mode sees
 every torch function call and follows the module's *parameters* and every tensor computed from
-one (a transposed, scaled, LoRA-merged or parametrized weight): a matmul (``F.linear``, ``@`` /
-``torch.matmul``, ``mm``, ``mv``, ``addmm``, ``addmv``) with such an operand is rewritten as
-``y = x @ W.T`` and handed to :func:`serve_linear`, the one place where a weight operand meets the
-recipe's matmul; every other call passes through. Which scope governs the call (its recipe, name
-and stats) is the innermost one, asked at each call: a module with a rule of another kind inside a
-served one is not served. A matmul family call the recipe cannot run on such an operand
-(``bmm``, ``einsum``, the packed projections of ``F.multi_head_attention_forward``) is refused,
-and a guarded scope (a module the rule names, or a Linear) that closes having served nothing is
-an error naming the module and what it called (:func:`close_scope`). The mode traces under
-``torch.compile``.
+them and constants alone (a transposed, scaled, LoRA-merged or parametrized weight, whatever
+matmuls computed it). A matmul that consumes such a weight (its other operand an activation), in
+any spelling torch accepts (``F.linear``, ``@``, ``torch.matmul``, ``torch.linalg.matmul``,
+``mm``, ``mv``, ``addmm``, ``addmv``, as functions or methods, with positional or keyword
+arguments: bound by one table, ``_OPS``), is rewritten as ``y = x @ W.T`` and handed to
+:func:`serve_linear`, the one place where a weight operand meets the recipe's matmul; a matmul
+computing a weight (both operands weights or constants) runs as written. Every other call passes
+through. Which scope governs the call (its recipe, name and stats) is the innermost one, asked at
+each call: a module with a rule of another kind inside a served one is not served. A matmul-like
+op the recipe cannot run with a weight operand (``bmm``, ``einsum``, ``F.conv*``,
+``tensordot``, ``linalg.vecdot``, the packed projections of ``F.multi_head_attention_forward``)
+is refused whatever else the module served, and a guarded scope (a module the rule names, or a
+Linear) that closes having served nothing is an error naming the module and what it called
+(:func:`served_nothing`). The mode traces under ``torch.compile``.
 """
 
 from __future__ import annotations
@@ -33,7 +37,7 @@ from mixprec.errors import ConfigError
 
 SERVES = (
     "nn.Linear and every matmul a module's forward runs on its weights or on tensors computed "
-    "from them (F.linear, @ / torch.matmul, mm, mv, addmm, addmv)"
+    "from them (F.linear, @ / torch.matmul / torch.linalg.matmul, mm, mv, addmm, addmv)"
 )
 
 
@@ -52,6 +56,20 @@ def can_serve(module_type: type) -> bool:
     return issubclass(module_type, nn.Linear) or not module_type.__module__.startswith("torch.")
 
 
+def computes_weight(name: str) -> bool:
+    """Whether the module of qualified name ``name`` is one of torch's parametrizations (kept at
+    ``<module>.parametrizations.<tensor>``, as ``register_parametrization`` documents): what its
+    forward computes is a weight, never an activation.
+
+    Example:
+        >>> computes_weight("fc.parametrizations.weight.0"), computes_weight("fc")
+        (True, False)
+
+    Host sync: none.
+    """
+    return "parametrizations" in name.split(".")[:-1]
+
+
 class Scope:
     """One module call served by a recipe: its name, the stats it records into, the module whose
     forward runs (its own weights are read again when a call misses them), and what it did (served
@@ -59,6 +77,7 @@ class Scope:
 
     __slots__ = (
         "called",
+        "computing",
         "guarded",
         "hp",
         "label",
@@ -86,6 +105,7 @@ class Scope:
         self.label = recipe.name if label is None else label  # the recipe its stats record
         self.served = 0
         self.called: list[str] = []  # the functions that took one of its weights
+        self.computing = computes_weight(name)  # whatever its matmuls take, they compute one
 
     def plan(self, device: torch.device) -> Plan:
         """The plan of one served matmul on ``device``. Host sync: none."""
@@ -124,35 +144,103 @@ def serve_linear(
     return fp8_linear(x, weight, bias, scope.plan(weight.device))
 
 
-# ---------------------------------------------------------------- the mode
-_LINEAR = {F.linear}
-_MATMUL = {torch.matmul, torch.Tensor.matmul, torch.Tensor.__matmul__, torch.mm, torch.Tensor.mm}
-_MV = {torch.mv, torch.Tensor.mv}
-_ADDMM = {torch.addmm, torch.Tensor.addmm}
-_ADDMV = {torch.addmv, torch.Tensor.addmv}
+# ---------------------------------------------------------------- the ops
+# The matmuls the recipe serves, each with its kind and its parameters in torch's order (a Tensor
+# method's ``self`` first): every spelling (positional, keyword, method, operator, alias) is bound
+# to these names in one place, :func:`_bind`. ``product``: ``a @ b``; ``rproduct``: ``b @ a``
+# (``__rmatmul__``); ``addproduct``: ``beta * input + alpha * (a @ b)``.
+_PAIR, _MM, _MV = ("input", "other"), ("input", "mat2"), ("input", "vec")
+_OPS: dict[Any, tuple[str, tuple[str, ...]]] = {
+    F.linear: ("linear", ("input", "weight", "bias")),
+    torch.matmul: ("product", _PAIR),
+    torch.linalg.matmul: ("product", _PAIR),
+    torch.Tensor.matmul: ("product", _PAIR),
+    torch.Tensor.__matmul__: ("product", _PAIR),
+    torch.mm: ("product", _MM),
+    torch.Tensor.mm: ("product", _MM),
+    torch.mv: ("product", _MV),
+    torch.Tensor.mv: ("product", _MV),
+    torch.addmm: ("addproduct", ("input", "mat1", "mat2")),
+    torch.Tensor.addmm: ("addproduct", ("input", "mat1", "mat2")),
+    torch.addmv: ("addproduct", ("input", "mat", "vec")),
+    torch.Tensor.addmv: ("addproduct", ("input", "mat", "vec")),
+}
+# ``Tensor.__rmatmul__`` is a Python function: compared with ``is``, never looked up in a dict
+# (Dynamo's guard on it as a dict key fails on torch 2.13.0, "Guard failed on the same frame").
+_RMATMUL = torch.Tensor.__rmatmul__
+_SCALES = ("beta", "alpha")  # addmm/addmv's keyword-only factors
+# Matmul-like ops the recipes cannot run with a weight operand: refused when one meets an
+# activation (``F.conv*`` is ``torch.conv*``).
 _REFUSED = {
-    torch.bmm,
-    torch.Tensor.bmm,
-    torch.baddbmm,
-    torch.Tensor.baddbmm,
-    torch.einsum,
-    torch.tensordot,
-    torch.addbmm,
+    *(getattr(torch, n) for n in ("bmm", "baddbmm", "addbmm", "einsum", "tensordot", "inner")),
+    *(getattr(torch, n) for n in ("outer", "ger", "dot", "vdot", "addr", "kron", "chain_matmul")),
+    *(getattr(torch.Tensor, n) for n in ("bmm", "baddbmm", "addbmm", "inner", "outer", "ger")),
+    *(getattr(torch.Tensor, n) for n in ("dot", "vdot", "addr", "kron")),
+    torch.linalg.vecdot,
+    torch.linalg.multi_dot,
+    *(getattr(F, f"conv{d}d") for d in (1, 2, 3)),
+    *(getattr(F, f"conv_transpose{d}d") for d in (1, 2, 3)),
     F.bilinear,
+    F.scaled_dot_product_attention,
     F.multi_head_attention_forward,
 }
 
 
+class _Tensors:
+    """A set of tensors compared with ``is``: by id in eager mode (one lookup per tensor), along
+    the list while Dynamo traces (it does not trace ``id`` of a tensor); ``listed`` once anything
+    was added while tracing (a graph break then runs the rest eagerly)."""
+
+    __slots__ = ("ids", "items", "listed")
+
+    def __init__(self) -> None:
+        self.items: list[torch.Tensor] = []
+        self.ids: dict[int, torch.Tensor] = {}
+        self.listed = False
+
+    def add(self, t: torch.Tensor) -> None:
+        self.items.append(t)
+        if torch.compiler.is_compiling():
+            self.listed = True
+        else:
+            self.ids[id(t)] = t
+
+    def __contains__(self, value: torch.Tensor) -> bool:
+        if self.listed or torch.compiler.is_compiling():
+            return any(value is t for t in self.items)
+        return self.ids.get(id(value)) is value
+
+
+def _tensors_of(args: tuple[Any, ...], kwargs: dict[str, Any]) -> list[torch.Tensor]:
+    values = (*args, *kwargs.values())
+    found = [v for v in values if isinstance(v, torch.Tensor)]
+    seqs = (v for v in values if isinstance(v, (list, tuple)))
+    return found + [t for v in seqs for t in v if isinstance(t, torch.Tensor)]
+
+
+def _outputs(out: object) -> list[torch.Tensor]:
+    items = out if isinstance(out, (list, tuple)) else (out,)
+    return [t for t in items if isinstance(t, torch.Tensor)]
+
+
 class Fp8Mode(TorchFunctionMode):
-    """Serves the matmuls on followed tensors (parameters and what is computed from them) under
-    the scope ``current()`` returns (None: pass through).
+    """Serves the matmuls that consume followed tensors (parameters and what is computed from
+    them) under the scope ``current()`` returns (None: pass through).
+
+    Three kinds of tensors: *followed* (a weight, or computed from weights and constants alone),
+    *constants* (made by a torch function that took no tensor, such as ``torch.eye`` in a
+    parametrization, or computed from constants alone) and activations (the rest). A matmul
+    with a followed operand and an activation consumes the weight: served. One on weights and
+    constants computes a weight (an orthogonal parametrization's ``base @ Q``): not served, its
+    result followed.
 
     Example:
         >>> from mixprec._src.fp8.recipes import get_recipe
-        >>> lin = nn.Linear(4, 3)
+        >>> lin, x = nn.Linear(4, 3), torch.randn(2, 4)
         >>> s = Scope("lin", get_recipe("rowwise"), torch.float32, None, True)
         >>> with Fp8Mode(list(lin.parameters()), lambda: s):
-        ...     y = torch.randn(2, 4) @ lin.weight.t()
+        ...     w = lin.weight @ torch.eye(4)  # computes a weight: not served
+        ...     y = x @ w.t()  # consumes it: served
         >>> s.served
         1
 
@@ -168,21 +256,22 @@ class Fp8Mode(TorchFunctionMode):
         super().__init__()
         self.current = current
         self.on_serve = on_serve  # called after each served matmul (eager)
-        # Compared with ``is`` (tied weights need no care): by id in eager mode (one lookup per
-        # tensor however many weights a container's rule follows), along the list while Dynamo
-        # traces (it does not trace ``id`` of a tensor); ``listed`` once anything was followed
-        # while tracing (a graph break then runs the rest eagerly).
-        self.followed: list[torch.Tensor] = []
-        self._ids: dict[int, torch.Tensor] = {}
-        self._listed = False
+        self._followed_set = _Tensors()  # compared with ``is``: tied weights need no care
+        self._constants = _Tensors()
         self.follow(followed)
+
+    @property
+    def followed(self) -> list[torch.Tensor]:
+        """The tensors followed so far (a checkpoint's recomputation follows them too). Host
+        sync: none."""
+        return self._followed_set.items
 
     def follow(self, tensors: Iterable[torch.Tensor]) -> None:
         """Follow these tensors too (the weights of a module whose scope opens). Host sync:
         none."""
         for t in tensors:
             if isinstance(t, torch.Tensor) and not self._followed(t):
-                self._add(t)
+                self._followed_set.add(t)
 
     def follow_aliases(self, values: Iterable[object]) -> None:
         """Follow each tensor of ``values`` that is a followed tensor under another name: the
@@ -192,22 +281,16 @@ class Fp8Mode(TorchFunctionMode):
             if not isinstance(v, torch.Tensor) or self._followed(v) or v.data_ptr() == 0:
                 continue
             if any(_same_view(v, t) for t in self.followed):
-                self._add(v)
-
-    def _add(self, t: torch.Tensor) -> None:
-        self.followed.append(t)
-        if torch.compiler.is_compiling():
-            self._listed = True
-        else:
-            self._ids[id(t)] = t
+                self._followed_set.add(v)
 
     def _followed(self, value: object) -> bool:
         if not isinstance(value, torch.Tensor):
             return False
-        if self._listed or torch.compiler.is_compiling():
-            if any(value is t for t in self.followed):
+        found = self._followed_set
+        if found.listed or torch.compiler.is_compiling():
+            if any(value is t for t in found.items):
                 return True
-        elif self._ids.get(id(value)) is value:
+        elif found.ids.get(id(value)) is value:  # (inline: the eager hot path)
             return True
         # A module hook that runs after mixprec's (FSDP2's unshard) may have swapped one of the
         # running module's own weights in since its scope opened: read them as it holds them.
@@ -217,7 +300,7 @@ class Fp8Mode(TorchFunctionMode):
             return False
         own = (*module.parameters(recurse=False), *module.buffers(recurse=False))
         if any(value is t for t in own):
-            self._add(value)
+            self._followed_set.add(value)
             return True
         return False
 
@@ -229,21 +312,20 @@ class Fp8Mode(TorchFunctionMode):
         kwargs: dict[str, Any] | None = None,
     ) -> Any:
         kwargs = kwargs or {}
-        tensors = [v for v in (*args, *kwargs.values()) if isinstance(v, torch.Tensor)]
-        tensors += [
-            t
-            for v in (*args, *kwargs.values())
-            if isinstance(v, (list, tuple))
-            for t in v
-            if isinstance(t, torch.Tensor)
-        ]
-        hit = [t for t in tensors if self._followed(t)]
-        if not hit:
-            return func(*args, **kwargs)
-        # Computed from weights alone (and scalars): a weight too. An activation among the
+        tensors = _tensors_of(args, kwargs)
+        constants = self._constants
+        if not any(self._followed(t) for t in tensors):
+            out = func(*args, **kwargs)
+            # made from no tensor, or from constants alone
+            if not tensors or (constants.items and all(t in constants for t in tensors)):
+                for t in _outputs(out):
+                    constants.add(t)
+            return out
+        # Computed from weights and constants alone: a weight too. An activation among the
         # inputs (an embedding's indices, the forward's input) makes the result an activation.
-        weight_only = all(self._followed(t) or t.dim() == 0 for t in tensors)
+        weight_only = all(self._followed(t) or t.dim() == 0 or t in constants for t in tensors)
         scope = self.current()
+        weight_only = weight_only or (scope is not None and scope.computing)
         if scope is not None and not weight_only:
             served = _serve(self, scope, func, args, kwargs)
             if served is not None:
@@ -252,7 +334,7 @@ class Fp8Mode(TorchFunctionMode):
                 return served
         out = func(*args, **kwargs)
         if weight_only:
-            self.follow(out if isinstance(out, (list, tuple)) else [out])
+            self.follow(_outputs(out))
         return out
 
 
@@ -265,8 +347,21 @@ def _same_view(a: torch.Tensor, b: torch.Tensor) -> bool:
     )
 
 
-def _arg(args: tuple[Any, ...], kwargs: dict[str, Any], i: int, name: str) -> Any:
-    return args[i] if len(args) > i else kwargs.get(name)
+def _bind(
+    scope: Scope, func: Any, label: str, args: tuple[Any, ...], kwargs: dict[str, Any]
+) -> tuple[str, list[Any], tuple[Any, Any]]:
+    """A served op's kind, its operands in its signature's order (absent: None) and its
+    ``beta, alpha``;
+    refuses what the recipe's matmul cannot take (``out=``, ``out_dtype=``)."""
+    kind, names = ("rproduct", _PAIR) if func is _RMATMUL else _OPS[func]
+    known = (*names, *_SCALES) if kind == "addproduct" else names
+    extra = [k for k in kwargs if k not in known]
+    if len(args) > len(names) or extra:
+        what = f"{label} with {', '.join(f'{k}=' for k in extra) or 'extra arguments'}"
+        _refuse(scope.name, what)
+    bound = dict(zip(names, args, strict=False))
+    operands = [bound.get(n, kwargs.get(n)) for n in names]
+    return kind, operands, (kwargs.get("beta", 1), kwargs.get("alpha", 1))
 
 
 def _serve(
@@ -277,26 +372,31 @@ def _serve(
     label = _label(func)
     if len(scope.called) < 8 and label not in scope.called:
         scope.called.append(label)
+    if func is not _RMATMUL and func not in _OPS:
+        if func in _REFUSED:
+            _refuse(scope.name, label)
+        return None
     on = mode._followed
-    if func in _LINEAR:
-        x, w = _arg(args, kwargs, 0, "input"), _arg(args, kwargs, 1, "weight")
+    kind, operands, scales = _bind(scope, func, label, args, kwargs)
+    if kind == "linear":
+        x, w, bias = operands
         if on(w):
-            return serve_linear(scope, x, w, _arg(args, kwargs, 2, "bias"))
+            return serve_linear(scope, x, w, bias)
         if on(x):
             _refuse(scope.name, label)
         return None
-    if func in _MATMUL or func in _MV or func is torch.Tensor.__rmatmul__:
-        a, b = (args[1], args[0]) if func is torch.Tensor.__rmatmul__ else (args[0], args[1])
-        return _serve_product(scope, a, b, None, label, on(a), on(b))
-    if func in _ADDMM or func in _ADDMV:
-        bias, a, b = _arg(args, kwargs, 0, "input"), args[1], args[2]
-        if not (on(a) or on(b)):
-            return None
-        if kwargs.get("beta", 1) == 1 and kwargs.get("alpha", 1) == 1:
-            return _serve_product(scope, a, b, bias, label, on(a), on(b))
-    if func in _REFUSED or func in _ADDMM or func in _ADDMV:
-        _refuse(scope.name, label)
-    return None
+    bias = operands.pop(0) if kind == "addproduct" else None
+    a, b = reversed(operands) if kind == "rproduct" else operands
+    if not (on(a) or on(b)):
+        return None  # a weight in the added input alone: elementwise
+    beta, alpha = scales
+    if beta == 1 and alpha == 1:
+        return _serve_product(scope, a, b, bias, label, on(a), on(b))
+    out = _serve_product(scope, a, b, None, label, on(a), on(b))
+    if out is None or bias is None:
+        return out
+    out = out * alpha
+    return out if beta == 0 else out + bias.to(out.dtype) * beta
 
 
 def _serve_product(
@@ -314,19 +414,34 @@ def _serve_product(
     if a_weight and not b_weight and a.dim() == 2:  # W @ x = (x.T @ W.T).T
         out = serve_linear(scope, b.mT if b.dim() > 1 else b, a, None)
         out = out.mT if b.dim() > 1 else out
-        return out if bias is None else out + bias
-    if a_weight or b_weight:
-        _refuse(scope.name, f"{label} on a {(a if a_weight else b).dim()}-D weight")
+        return out if bias is None else out + bias.to(out.dtype)
+    _refuse(scope.name, f"{label} on a {(a if a_weight else b).dim()}-D weight")
     return None
 
 
 def _label(func: Any) -> str:
+    """How the user spelled ``func``."""
+    if func is _RMATMUL:
+        return "Tensor.__rmatmul__"
+    known = _LABELS.get(func)
+    if known is not None:
+        return known
     name = getattr(func, "__name__", repr(func))
-    if public_attr(F, name, None) is func:
-        return f"F.{name}"
-    if public_attr(torch, name, None) is func:
-        return f"torch.{name}"
+    for prefix, space in (("F.", F), ("torch.", torch)):
+        if public_attr(space, name, None) is func:
+            return prefix + name
     return f"Tensor.{name}"
+
+
+def _linalg_label(func: Any) -> str:
+    name = func.__name__  # torch.linalg.vecdot's is linalg_vecdot
+    short = name.removeprefix("linalg_")
+    return f"torch.linalg.{short}" if getattr(torch.linalg, short, None) is func else _label(func)
+
+
+# Made at import (Dynamo traces a dict lookup, not the string methods).
+_LABELS: dict[Any, str] = {}
+_LABELS.update({f: _linalg_label(f) for f in (*_OPS, *_REFUSED)})
 
 
 def _unservable(name: str, what: str) -> str:
@@ -377,7 +492,9 @@ _NOT_FOLLOWED = (
     "forwards: torch.nn.utils.parametrize.cached(), a tensor saved on the module) or, under "
     "torch.compile, read through a tensor attribute Dynamo does not show to torch function "
     "modes (.data; .T, .mT, .H before torch 2.14: write .detach(), .t(), .transpose(-2, -1)) "
-    "is not."
+    "is not. A tensor made in the forward by a torch function that took no tensor "
+    "(torch.eye, torch.zeros, torch.randn) is a constant, not an activation: a matmul of "
+    "weights and constants computes a weight and is not served."
 )
 
 
