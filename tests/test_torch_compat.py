@@ -471,3 +471,11 @@ def test_compiled_in_place_tells_module_compile_from_a_wrapper() -> None:
     wrapped = torch.compile(torch.nn.Linear(2, 2), backend="eager")
     assert [tc.compiled_in_place(m) for m in (plain, in_place)] == [False, True]
     assert not tc.compiled_in_place(wrapped)
+
+
+def test_fake_tensor_mode_makes_tensors_without_data_that_keep_their_device() -> None:
+    with tc.fake_tensor_mode():
+        x = torch.empty(4, 3)
+        y = x @ x.t()
+    assert y.shape == (4, 4) and y.device.type == "cpu"
+    assert type(y).__name__ == "FakeTensor"

@@ -63,7 +63,7 @@ class _Counter:
         self.stack.pop()
 
     def pack(self, t: torch.Tensor) -> torch.Tensor:
-        base = torch_compat.view_base(t)
+        base = torch_compat.tensor_base(t)
         of_param = id(t) in self.params or (base is not None and id(base) in self.params)
         if self.stack and not of_param:
             self.seen.setdefault(self.stack[-1], {})[id(t)] = t.numel() * t.element_size()

@@ -7,7 +7,7 @@ them and constants alone (a transposed, scaled, LoRA-merged or parametrized weig
 matmuls computed it). A matmul that consumes such a weight (its other operand an activation), in
 any spelling torch accepts (``F.linear``, ``@``, ``torch.matmul``, ``torch.linalg.matmul``,
 ``mm``, ``mv``, ``addmm``, ``addmv``, as functions or methods, with positional or keyword
-arguments: bound by one table, ``_OPS``), is rewritten as ``y = x @ W.T`` and handed to
+arguments: bound by one table, ``OPS``), is rewritten as ``y = x @ W.T`` and handed to
 :func:`serve_linear`, the one place where a weight operand meets the recipe's matmul; a matmul
 computing a weight (both operands weights or constants) runs as written. Every other call passes
 through. Which scope governs the call (its recipe, name and stats) is the innermost one, asked at
@@ -25,14 +25,14 @@ from collections.abc import Callable, Iterable
 from typing import Any
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 from torch.overrides import TorchFunctionMode
 
 from mixprec._src.fp8.matmul import Plan, fp8_linear, use_scaled_mm
 from mixprec._src.fp8.recipes import Recipe
+from mixprec._src.fp8.spellings import OPS, PAIR, REFUSED, RMATMUL, SCALES, label
 from mixprec._src.fp8.stats import Fp8Stats, active_stats
-from mixprec._src.torch_compat import disable_dynamo, public_attr
+from mixprec._src.torch_compat import disable_dynamo
 from mixprec.errors import ConfigError
 
 SERVES = (
@@ -142,48 +142,6 @@ def serve_linear(
             out = x.to(scope.hp) @ weight.to(scope.hp).t()
             return out if bias is None else out + bias.to(scope.hp)
     return fp8_linear(x, weight, bias, scope.plan(weight.device))
-
-
-# ---------------------------------------------------------------- the ops
-# The matmuls the recipe serves, each with its kind and its parameters in torch's order (a Tensor
-# method's ``self`` first): every spelling (positional, keyword, method, operator, alias) is bound
-# to these names in one place, :func:`_bind`. ``product``: ``a @ b``; ``rproduct``: ``b @ a``
-# (``__rmatmul__``); ``addproduct``: ``beta * input + alpha * (a @ b)``.
-_PAIR, _MM, _MV = ("input", "other"), ("input", "mat2"), ("input", "vec")
-_OPS: dict[Any, tuple[str, tuple[str, ...]]] = {
-    F.linear: ("linear", ("input", "weight", "bias")),
-    torch.matmul: ("product", _PAIR),
-    torch.linalg.matmul: ("product", _PAIR),
-    torch.Tensor.matmul: ("product", _PAIR),
-    torch.Tensor.__matmul__: ("product", _PAIR),
-    torch.mm: ("product", _MM),
-    torch.Tensor.mm: ("product", _MM),
-    torch.mv: ("product", _MV),
-    torch.Tensor.mv: ("product", _MV),
-    torch.addmm: ("addproduct", ("input", "mat1", "mat2")),
-    torch.Tensor.addmm: ("addproduct", ("input", "mat1", "mat2")),
-    torch.addmv: ("addproduct", ("input", "mat", "vec")),
-    torch.Tensor.addmv: ("addproduct", ("input", "mat", "vec")),
-}
-# ``Tensor.__rmatmul__`` is a Python function: compared with ``is``, never looked up in a dict
-# (Dynamo's guard on it as a dict key fails on torch 2.13.0, "Guard failed on the same frame").
-_RMATMUL = torch.Tensor.__rmatmul__
-_SCALES = ("beta", "alpha")  # addmm/addmv's keyword-only factors
-# Matmul-like ops the recipes cannot run with a weight operand: refused when one meets an
-# activation (``F.conv*`` is ``torch.conv*``).
-_REFUSED = {
-    *(getattr(torch, n) for n in ("bmm", "baddbmm", "addbmm", "einsum", "tensordot", "inner")),
-    *(getattr(torch, n) for n in ("outer", "ger", "dot", "vdot", "addr", "kron", "chain_matmul")),
-    *(getattr(torch.Tensor, n) for n in ("bmm", "baddbmm", "addbmm", "inner", "outer", "ger")),
-    *(getattr(torch.Tensor, n) for n in ("dot", "vdot", "addr", "kron")),
-    torch.linalg.vecdot,
-    torch.linalg.multi_dot,
-    *(getattr(F, f"conv{d}d") for d in (1, 2, 3)),
-    *(getattr(F, f"conv_transpose{d}d") for d in (1, 2, 3)),
-    F.bilinear,
-    F.scaled_dot_product_attention,
-    F.multi_head_attention_forward,
-}
 
 
 class _Tensors:
@@ -353,8 +311,8 @@ def _bind(
     """A served op's kind, its operands in its signature's order (absent: None) and its
     ``beta, alpha``;
     refuses what the recipe's matmul cannot take (``out=``, ``out_dtype=``)."""
-    kind, names = ("rproduct", _PAIR) if func is _RMATMUL else _OPS[func]
-    known = (*names, *_SCALES) if kind == "addproduct" else names
+    kind, names = ("rproduct", PAIR) if func is RMATMUL else OPS[func]
+    known = (*names, *SCALES) if kind == "addproduct" else names
     extra = [k for k in kwargs if k not in known]
     if len(args) > len(names) or extra:
         what = f"{label} with {', '.join(f'{k}=' for k in extra) or 'extra arguments'}"
@@ -369,21 +327,21 @@ def _serve(
 ) -> torch.Tensor | None:
     """The served result of a matmul on a weight operand and an activation; None: not a matmul
     on a weight (run as written). Refuses a matmul on a weight that the recipe cannot run."""
-    label = _label(func)
-    if len(scope.called) < 8 and label not in scope.called:
-        scope.called.append(label)
-    if func is not _RMATMUL and func not in _OPS:
-        if func in _REFUSED:
-            _refuse(scope.name, label)
+    spelled = label(func)
+    if len(scope.called) < 8 and spelled not in scope.called:
+        scope.called.append(spelled)
+    if func is not RMATMUL and func not in OPS:
+        if func in REFUSED:
+            _refuse(scope.name, spelled)
         return None
     on = mode._followed
-    kind, operands, scales = _bind(scope, func, label, args, kwargs)
+    kind, operands, scales = _bind(scope, func, spelled, args, kwargs)
     if kind == "linear":
         x, w, bias = operands
         if on(w):
             return serve_linear(scope, x, w, bias)
         if on(x):
-            _refuse(scope.name, label)
+            _refuse(scope.name, spelled)
         return None
     bias = operands.pop(0) if kind == "addproduct" else None
     a, b = reversed(operands) if kind == "rproduct" else operands
@@ -391,8 +349,8 @@ def _serve(
         return None  # a weight in the added input alone: elementwise
     beta, alpha = scales
     if beta == 1 and alpha == 1:
-        return _serve_product(scope, a, b, bias, label, on(a), on(b))
-    out = _serve_product(scope, a, b, None, label, on(a), on(b))
+        return _serve_product(scope, a, b, bias, spelled, on(a), on(b))
+    out = _serve_product(scope, a, b, None, spelled, on(a), on(b))
     if out is None or bias is None:
         return out
     out = out * alpha
@@ -417,31 +375,6 @@ def _serve_product(
         return out if bias is None else out + bias.to(out.dtype)
     _refuse(scope.name, f"{label} on a {(a if a_weight else b).dim()}-D weight")
     return None
-
-
-def _label(func: Any) -> str:
-    """How the user spelled ``func``."""
-    if func is _RMATMUL:
-        return "Tensor.__rmatmul__"
-    known = _LABELS.get(func)
-    if known is not None:
-        return known
-    name = getattr(func, "__name__", repr(func))
-    for prefix, space in (("F.", F), ("torch.", torch)):
-        if public_attr(space, name, None) is func:
-            return prefix + name
-    return f"Tensor.{name}"
-
-
-def _linalg_label(func: Any) -> str:
-    name = func.__name__  # torch.linalg.vecdot's is linalg_vecdot
-    short = name.removeprefix("linalg_")
-    return f"torch.linalg.{short}" if getattr(torch.linalg, short, None) is func else _label(func)
-
-
-# Made at import (Dynamo traces a dict lookup, not the string methods).
-_LABELS: dict[Any, str] = {}
-_LABELS.update({f: _linalg_label(f) for f in (*_OPS, *_REFUSED)})
 
 
 def _unservable(name: str, what: str) -> str:

@@ -125,7 +125,8 @@ def version_counter(tensor: torch.Tensor) -> int:
 
 def tensor_base(tensor: torch.Tensor) -> torch.Tensor | None:
     """``tensor._base``: the tensor ``tensor`` is a view of (None when it owns its storage view:
-    autograd's own gradients do). kernels/plan.py tells flat gradient views by it. Checked on
+    autograd's own gradients do). kernels/plan.py tells flat gradient views by it, the dry run a
+    saved view of a parameter (a transposed weight). Checked on
     2.12.1, 2.13.0 and 2.14.1.
 
     Host sync: none.
@@ -567,7 +568,7 @@ NORM_BASE: type[_NormBase] = _NormBase
 CONV_BASE: type[_ConvNd] = _ConvNd
 
 
-# --- dryrun ---
+# ---------------------------------------------------------------- the dry run
 
 
 def fake_tensor_mode() -> contextlib.AbstractContextManager[Any]:
@@ -581,13 +582,3 @@ def fake_tensor_mode() -> contextlib.AbstractContextManager[Any]:
     from torch._subclasses.fake_tensor import FakeTensorMode
 
     return FakeTensorMode()
-
-
-def view_base(t: torch.Tensor) -> torch.Tensor | None:
-    """The tensor ``t`` is a view of (``Tensor._base``), None if it is not a view: the dry run
-    does not count a saved view of a parameter (a transposed weight) as saved memory. Checked
-    on torch 2.13.0.
-
-    Host sync: none.
-    """
-    return t._base
