@@ -298,7 +298,8 @@ def test_gpu_check_dry_run_section_on_cpu(monkeypatch: pytest.MonkeyPatch) -> No
     assert not ok
     assert "| fp8 | 64x128x96 | N/N/N | E/E/E |" in "\n".join(rows)
     assert [r for r in rows if "60x128x96" in r and "DIFFERS" in r] == []
-    monkeypatch.setattr(matmul, "_routing", lambda device: (caps("cuda"), (9, 0)))
+    monkeypatch.setattr(matmul, "caps", lambda device: caps("cuda"))
+    monkeypatch.setattr(matmul, "_capability", lambda device: (9, 0))
     rows, ok = check.dry_run_check(torch.device("cpu"))
     assert ok, "\n".join(rows)
     assert "| fp8:rowwise | 64x128x96 | N/N/N | N/N/N |" in "\n".join(rows)

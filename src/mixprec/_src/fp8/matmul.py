@@ -26,7 +26,7 @@ import torch
 import torch.nn.functional as F
 
 from mixprec._src import torch_compat
-from mixprec._src.devices import DeviceCaps, caps
+from mixprec._src.devices import caps
 from mixprec._src.fp8 import kernels
 from mixprec._src.fp8.carrier import gathered
 from mixprec._src.fp8.casts import Quantized, cast_stats, dequantize, quantize
@@ -62,20 +62,20 @@ def use_scaled_mm(device: torch.device, recipe: Recipe | None = None) -> bool:
     """
     if recipe is not None and recipe.parts:
         return _parts_path(device, recipe)
-    row, cap = _routing(device)
+    dry = kernels.target() if device.type == "meta" else None
+    row = caps("cuda") if dry is not None else caps(device)
     if not row.fp8_scaled_mm or (recipe is not None and recipe.blocked and not row.block_scaled_mm):
         return False
+    cap = _routed_capability(device)  # asked only where the row says fp8 kernels may exist
     low, high = recipe.capability if recipe is not None else ((8, 9), (99, 0))
     return cap is not None and low <= cap < high
 
 
-def _routing(device: torch.device) -> tuple[DeviceCaps, tuple[int, int] | None]:
-    """The device table's row and the compute capability that route ``device``'s matmuls: a
-    dry run's GPU for meta tensors (:func:`.kernels.routed_as`)."""
-    found = kernels.target()
-    if device.type == "meta" and found is not None:
-        return caps("cuda"), found.capability
-    return caps(device), _capability(device)
+def _routed_capability(device: torch.device) -> tuple[int, int] | None:
+    """The compute capability that routes ``device``'s matmuls: a dry run's GPU for meta
+    tensors (:func:`.kernels.routed_as`), else the device's own."""
+    found = kernels.target() if device.type == "meta" else None
+    return found.capability if found is not None else _capability(device)
 
 
 def _parts_path(device: torch.device, recipe: Recipe) -> bool:
@@ -89,7 +89,7 @@ def _parts_path(device: torch.device, recipe: Recipe) -> bool:
     }
     if len(set(paths.values())) == 1:
         return next(iter(paths.values()))
-    cap = _routing(device)[1]
+    cap = _routed_capability(device)
     on = [f"{m} ({recipe.parts[MATMULS.index(m)]})" for m in MATMULS if paths.get(m)]
     off = [
         f"{m} ({s.name}: compute capability {'.'.join(map(str, s.capability[0]))} to below "
