@@ -27,7 +27,11 @@ parameters).
   (tensorwise, 128x128, NVFP4's 16x16) serve both matmuls, one copy; rowwise recipes gather the
   forward copy (scaled along ``in_features``) before the forward and the input-gradient copy
   (along ``out_features``) in backward, both at once where the weight stays unsharded from
-  forward to backward (``reshard_after_forward=False``, FSDP's root) or is recomputed.
+  forward to backward (``reshard_after_forward=False``, FSDP's root) or is recomputed. FSDP2
+  sizes its output buffers by a weight's first gather, so every gather of it carries the same
+  number of copies of the same size. On a mesh of one rank FSDP2 issues no collective: it copies
+  the FIRST all-gather input alone into its buffer and hands that to ``fsdp_post_all_gather``;
+  there the copies a gather carries travel as one input, stacked along the rows.
 
 The unsharded weight is a :class:`~.carrier.Gathered`: a cache of the cast, consumed by the
 recipe's matmul when its rule wants that cast; any other reader gets the weight's own values.
@@ -193,6 +197,8 @@ class _Weight:
         self.owner.before_gather(self)
         carried = self.carried()
         inputs = tuple(self.codes(i) for i in carried)
+        if self.world == 1 and len(inputs) > 1:  # FSDP2 copies only the first: one, stacked
+            inputs = (torch.cat(inputs),)
         nbytes = sum(t.numel() for t in inputs)
         self.owner.count_gather(nbytes)
         stats = active_stats()
@@ -210,6 +216,8 @@ class _Weight:
         out: torch.Tensor | None = None,
     ) -> tuple[torch.Tensor, list[torch.Tensor]] | None:
         copies = {}
+        if self.world == 1:  # the carried copies stacked along the rows (pre_all_gather)
+            outputs = outputs[0].chunk(len(carried))
         for raw, i in zip(outputs, carried, strict=True):
             codes = self._codes_of(i, raw[: self.rows])
             scale, tensor_scale, amax = self.scales[i]
