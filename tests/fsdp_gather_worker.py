@@ -275,6 +275,25 @@ def scenario_recompute(rank: int) -> dict[str, Any]:
     }
 
 
+#: Each family of the gather's wire: square blocks (one copy), two orientations of one byte,
+#: MXFP8's E8M0 scales, NVFP4's packed codes, two copies in different formats (unpacked).
+FAMILIES = ("tensorwise", "rowwise", "mxfp8", "nvfp4", "fp4-fprop")
+
+
+def scenario_matrix(rank: int) -> dict[str, Any]:
+    """Every family, ``recompute`` (with activation checkpointing) True and False,
+    ``reshard_after_forward`` True and False, with and without the gather, whatever the world
+    size (one rank included: FSDP2 issues no collective there)."""
+    out: dict[str, Any] = {}
+    for r in FAMILIES:
+        for recompute in (True, False):
+            for reshard in (True, False):
+                kw: dict[str, Any] = {"checkpoint": recompute, "reshard": reshard}
+                key = f"{r}/recompute={recompute}/reshard={reshard}"
+                out[key] = {"plain": train(r, False, **kw), "low": train(r, True, **kw)}
+    return out
+
+
 def scenario_optimizers(rank: int) -> dict[str, Any]:
     """AdamW foreach and fused (alternating over the recipes): the scales follow every step."""
     kinds = ("foreach", "fused")
