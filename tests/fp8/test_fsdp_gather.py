@@ -105,8 +105,8 @@ def test_gather_is_bitwise_the_run_without_it(
 
 @pytest.fixture(scope="module")
 def matrix(gather_dir: Path) -> dict[int, list[dict[str, Any]]]:
-    """The ``matrix`` scenario in a world of one rank and one of two."""
-    return {world: run_world(gather_dir, world, ["matrix"]) for world in (1, 2)}
+    """The ``matrix`` and ``reshard_later`` scenarios in a world of one rank and one of two."""
+    return {world: run_world(gather_dir, world, ["matrix", "reshard_later"]) for world in (1, 2)}
 
 
 @pytest.mark.slow
@@ -139,6 +139,33 @@ def test_every_world_recompute_and_reshard_is_bitwise_the_run_without_it(
             per_value = (2 if both else 1) * (0.5 if family == "nvfp4" else 1)
             values = sum(-(-n // world) * 128 for n in rows)
             assert low["gather_bytes"] == low["gathers"] // len(rows) * values * per_value, key
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("world", [1, 2])
+def test_reshard_after_forward_changed_after_the_first_gather(
+    matrix: dict[int, list[dict[str, Any]]], world: int
+) -> None:
+    """FSDP2 sizes a weight's gather buffers at its first gather: set to reshard after the
+    first (``set_reshard_after_forward(True)``), both copies keep travelling, bit for bit the
+    run without the gather; set to keep the weights unsharded, refused by name, with the fix."""
+    for rank in matrix[world]:
+        run = rank["reshard_later"]["to_true"]
+        _assert_bitwise(run)
+        assert run["low"]["recasts"] == run["low"]["high_gathers"] == 0
+        error = rank["reshard_later"]["to_false"]
+        assert error is not None
+        assert "set_reshard_after_forward" in error and "recompute=True" in error
+
+
+@pytest.mark.slow
+def test_resharding_to_fewer_ranks_after_forward_is_refused(tmp_path: Path) -> None:
+    """``reshard_after_forward=2`` on 4 ranks: FSDP2 would keep a slice of the gathered codes as
+    the parameter and gather it in backward past the extension; refused at set up, by name."""
+    for rank in run_world(tmp_path, 4, ["reshard_int"]):
+        error = rank["reshard_int"]["error"]
+        assert error is not None and "reshard_after_forward=2" in error
+        assert "Linear '0'" in error and "2 of 4 ranks" in error
 
 
 @pytest.mark.slow

@@ -99,6 +99,7 @@ class _Weight:
         casts = tuple(c for c, _ in self.orients)
         self.payload = Payload(name, casts, self.high, owner.count_recast)
         self.inner: dict[int, torch.Tensor] = {}  # NVFP4's unpacked codes, refilled in place
+        self.both: bool | None = None  # both copies travel at every gather (set at the first)
 
     # ------------------------------------------------------------------ geometry
     def span(self, rank: int) -> tuple[int, int]:
@@ -172,10 +173,22 @@ class _Weight:
 
     # ------------------------------------------------------------------ FSDP2's extension
     def carried(self) -> tuple[int, ...]:
-        """The orientations this gather carries (the same count at every gather)."""
+        """The orientations this gather carries: as many at every gather, since FSDP2 sizes its
+        buffers by the first; so whether both travel is settled then, and kept."""
         if len(self.orients) == 1:
             return (0,)
-        if self.owner.recompute or torch_compat.fsdp_keeps_unsharded(self.group):
+        keeps = torch_compat.fsdp_keeps_unsharded(self.group)
+        if self.both is None:
+            self.both = self.owner.recompute or keeps
+        elif keeps and not self.both:
+            raise ConfigError(
+                f"Linear {self.name!r}: its FSDP2 group keeps the weight unsharded from forward "
+                "to backward now (set_reshard_after_forward(False)), but its first "
+                "low-precision gather carried one copy at a time, and FSDP2 keeps each gather "
+                "that size: call set_reshard_after_forward before the first forward, or pass "
+                "recompute=True to gather_low_precision (both copies in every gather)"
+            )
+        if self.both:
             return (0, 1)
         return (1,) if torch_compat.running_backward() else (0,)
 
@@ -406,7 +419,8 @@ def set_up(
     Raises:
         ConfigError: ``model`` is not a ``fully_shard`` root, has been run already, no Linear is
             ruled, a ruled weight is not sharded by FSDP2 (or offloaded, or sharded along
-            ``in_features``), or its features do not fit its recipe's blocks.
+            ``in_features``, or resharded to fewer ranks after forward), or its features do
+            not fit its recipe's blocks.
 
     Host sync: none.
     """
@@ -448,6 +462,7 @@ def _collect(handle: LowPrecisionGather, ruled: dict[int, tuple[str, Recipe]]) -
             if found:
                 name, recipe = found[0]
                 _check(name, fsdp_param, recipe)
+                _check_reshard(name, fsdp_param, group)
                 weight = _Weight(name, fsdp_param, group, recipe, handle)
                 handle.weights.append(weight)
                 handle.groups.setdefault(id(group), []).append(weight)
@@ -475,6 +490,19 @@ def _check(name: str, fsdp_param: Any, recipe: Recipe) -> None:
         raise ConfigError(
             f"{where}: the low-precision gather needs a weight sharded along out_features "
             "(Shard(0)) on one mesh dimension, without CPU offload"
+        )
+
+
+def _check_reshard(name: str, fsdp_param: Any, group: Any) -> None:
+    """Refuse resharding to fewer ranks after forward: FSDP2 keeps a slice of the gathered
+    bytes as the parameter then, and gathers that slice in backward past the extension."""
+    shards = torch_compat.fsdp_post_forward_shards(group)
+    world = torch_compat.fsdp_shard_info(fsdp_param)[1]
+    if shards is not None and shards != world:
+        raise ConfigError(
+            f"Linear {name!r}: its FSDP2 group reshards to {shards} of {world} ranks after "
+            f"forward (reshard_after_forward={shards}), which the low-precision gather cannot "
+            "carry: pass reshard_after_forward=True or False to its fully_shard"
         )
 
 
