@@ -98,10 +98,12 @@ def train(
     scaler: bool = False,
     optim: str = "single",
     one_group: bool = False,
+    reshard_later: bool | None = None,
 ) -> dict[str, Any]:
     """Train the sharded model a few steps; losses, gradients and parameters of every step, and
     the torch.distributed collectives each step called. With ``scaler``: fp16 parameters and
-    autocast, a GradScaler, an inf on rank 1 at step 1."""
+    autocast, a GradScaler, an inf on rank 1 at step 1. With ``reshard_later``: FSDP2's
+    ``set_reshard_after_forward(reshard_later)`` before step 1."""
     dtype = torch.float16 if scaler else torch.bfloat16
     model = shard(make_model(rows), reshard, dtype, one_group)
     policy = policy_for(recipe)
@@ -114,6 +116,8 @@ def train(
     with counting(log["calls"]):
         for step in range(steps):
             log["calls"].append(0)
+            if step == 1 and reshard_later is not None:
+                model.set_reshard_after_forward(reshard_later)
             for micro in range(accumulate):
                 if accumulate > 1:
                     model.set_requires_gradient_sync(micro == accumulate - 1)
@@ -273,6 +277,60 @@ def scenario_recompute(rank: int) -> dict[str, Any]:
         r: {"plain": train(r, False, **kw), "low": train(r, True, **kw)}
         for r in ("rowwise", "nvfp4")
     }
+
+
+#: Each family of the gather's wire: square blocks (one copy), two orientations of one byte,
+#: MXFP8's E8M0 scales, NVFP4's packed codes, two copies in different formats (unpacked).
+FAMILIES = ("tensorwise", "rowwise", "mxfp8", "nvfp4", "fp4-fprop")
+
+
+def scenario_matrix(rank: int) -> dict[str, Any]:
+    """Every family, ``recompute`` (with activation checkpointing) True and False,
+    ``reshard_after_forward`` True and False, with and without the gather, whatever the world
+    size (one rank included: FSDP2 issues no collective there)."""
+    out: dict[str, Any] = {}
+    for r in FAMILIES:
+        for recompute in (True, False):
+            for reshard in (True, False):
+                kw: dict[str, Any] = {"checkpoint": recompute, "reshard": reshard}
+                key = f"{r}/recompute={recompute}/reshard={reshard}"
+                out[key] = {"plain": train(r, False, **kw), "low": train(r, True, **kw)}
+    return out
+
+
+def scenario_reshard_later(rank: int) -> dict[str, Any]:
+    """``set_reshard_after_forward`` after the first gather, rowwise (two copies): to True, the
+    gathers carry both copies still (bitwise); to False, refused by name (the gathers carried one
+    copy at a time, and FSDP2 sized its buffers for one)."""
+    from mixprec.errors import ConfigError
+
+    kw: dict[str, Any] = {"reshard": False, "reshard_later": True}
+    out: dict[str, Any] = {"to_true": {"plain": train("rowwise", False, **kw)}}
+    out["to_true"]["low"] = train("rowwise", True, **kw)
+    out["to_false"] = None
+    try:
+        train("rowwise", True, reshard=True, reshard_later=False)
+    except ConfigError as error:
+        out["to_false"] = str(error)
+    return out
+
+
+def scenario_reshard_int(rank: int) -> dict[str, Any]:
+    """``reshard_after_forward=2`` on 4 ranks (resharded to 2 after forward): refused by name
+    at set up."""
+    from torch.distributed.fsdp import fully_shard
+
+    from mixprec.errors import ConfigError
+
+    model = make_model(384)
+    for i in (0, 2, 4):
+        fully_shard(model[i], reshard_after_forward=2)
+    fully_shard(model)
+    try:
+        gather_low_precision(model, policy_for("rowwise"))
+    except ConfigError as error:
+        return {"error": str(error)}
+    return {"error": None}
 
 
 def scenario_optimizers(rank: int) -> dict[str, Any]:

@@ -351,6 +351,8 @@ def test_fsdp2_entries_on_a_one_rank_world() -> None:
         assert tc.fsdp_param_dtype(weight) == torch.float32
         assert not tc.fsdp_unsupported(weight) and tc.fsdp_extension_ready(weight)
         assert not tc.fsdp_keeps_unsharded(group)  # resharded after forward
+        assert tc.fsdp_post_forward_shards(group) == 1  # over the mesh's one rank
+        assert tc.fsdp_post_forward_shards(tc.fsdp_param_group(model)) is None
         assert tc.fsdp_keeps_unsharded(tc.fsdp_param_group(model))  # the root keeps its own
         assert "cpu" in tc.process_group_device_types(dist.group.WORLD)  # gloo reduces there
         seen = []

@@ -1,4 +1,4 @@
-"""The low-precision all-gather under real FSDP2: gloo worlds of 2 and 3 ranks on 127.0.0.1,
+"""The low-precision all-gather under real FSDP2: gloo worlds of 1, 2 and 3 ranks on 127.0.0.1,
 spawned here (tests/fsdp_gather_worker.py; the cache tests: tests/fsdp_cache_worker.py), every
 recipe, each run against the same run without the gather. The workers only record; every
 assertion is made here. Each world is bounded by a hard timeout and its processes are killed
@@ -101,6 +101,71 @@ def test_gather_is_bitwise_the_run_without_it(
         gathers_per_forward = 2 if scenario == "parity" else 1  # backward re-gathers
         assert low["gathers"] == 2 * forwards * gathers_per_forward
         assert_scale_exchanges(run)
+
+
+@pytest.fixture(scope="module")
+def matrix(gather_dir: Path) -> dict[int, list[dict[str, Any]]]:
+    """The ``matrix`` and ``reshard_later`` scenarios in a world of one rank and one of two."""
+    return {world: run_world(gather_dir, world, ["matrix", "reshard_later"]) for world in (1, 2)}
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("world", [1, 2])
+def test_every_world_recompute_and_reshard_is_bitwise_the_run_without_it(
+    matrix: dict[int, list[dict[str, Any]]], world: int
+) -> None:
+    """World sizes 1 (FSDP2 skips the collective and copies the first all-gather input alone)
+    and 2, recompute True/False, reshard_after_forward True/False, every family of the wire:
+    with the gather, bit for bit the run without it; the codes were what the matmuls used (no
+    recast, no high-precision gather), and the copies each gather carried travelled (both of a
+    rowwise weight where it is recomputed or stays unsharded, one otherwise)."""
+    runs = matrix[world][0]["matrix"]
+    assert len(runs) == 5 * 2 * 2
+    for rank in matrix[world]:
+        for key, run in rank["matrix"].items():
+            _assert_bitwise(run)
+            low = run["low"]
+            if world > 1:
+                assert_scale_exchanges(run)
+            else:  # FSDP2 calls no collective on one rank; the scales' exchange still runs
+                assert run["plain"]["calls"] == [0] * len(low["grads"]), key
+                assert low["calls"] == [1] * len(low["grads"]), key  # one forward a step
+                assert low["collectives"] == len(low["losses"]), key
+            family, recompute, reshard = key.split("/")
+            rows = [384] * (2 if family in ALL else 1)  # the ruled weights' rows
+            assert low["names"] == (["0", "2"] if family in ALL else ["2"]), key
+            two = family in ("rowwise", "mxfp8", "fp4-fprop")
+            both = two and (recompute == "recompute=True" or reshard == "reshard=False")
+            per_value = (2 if both else 1) * (0.5 if family == "nvfp4" else 1)
+            values = sum(-(-n // world) * 128 for n in rows)
+            assert low["gather_bytes"] == low["gathers"] // len(rows) * values * per_value, key
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("world", [1, 2])
+def test_reshard_after_forward_changed_after_the_first_gather(
+    matrix: dict[int, list[dict[str, Any]]], world: int
+) -> None:
+    """FSDP2 sizes a weight's gather buffers at its first gather: set to reshard after the
+    first (``set_reshard_after_forward(True)``), both copies keep travelling, bit for bit the
+    run without the gather; set to keep the weights unsharded, refused by name, with the fix."""
+    for rank in matrix[world]:
+        run = rank["reshard_later"]["to_true"]
+        _assert_bitwise(run)
+        assert run["low"]["recasts"] == run["low"]["high_gathers"] == 0
+        error = rank["reshard_later"]["to_false"]
+        assert error is not None
+        assert "set_reshard_after_forward" in error and "recompute=True" in error
+
+
+@pytest.mark.slow
+def test_resharding_to_fewer_ranks_after_forward_is_refused(tmp_path: Path) -> None:
+    """``reshard_after_forward=2`` on 4 ranks: FSDP2 would keep a slice of the gathered codes as
+    the parameter and gather it in backward past the extension; refused at set up, by name."""
+    for rank in run_world(tmp_path, 4, ["reshard_int"]):
+        error = rank["reshard_int"]["error"]
+        assert error is not None and "reshard_after_forward=2" in error
+        assert "Linear '0'" in error and "2 of 4 ranks" in error
 
 
 @pytest.mark.slow

@@ -27,7 +27,11 @@ parameters).
   (tensorwise, 128x128, NVFP4's 16x16) serve both matmuls, one copy; rowwise recipes gather the
   forward copy (scaled along ``in_features``) before the forward and the input-gradient copy
   (along ``out_features``) in backward, both at once where the weight stays unsharded from
-  forward to backward (``reshard_after_forward=False``, FSDP's root) or is recomputed.
+  forward to backward (``reshard_after_forward=False``, FSDP's root) or is recomputed. FSDP2
+  sizes its output buffers by a weight's first gather, so every gather of it carries the same
+  number of copies of the same size. On a mesh of one rank FSDP2 issues no collective: it copies
+  the FIRST all-gather input alone into its buffer and hands that to ``fsdp_post_all_gather``;
+  there the copies a gather carries travel as one input, stacked along the rows.
 
 The unsharded weight is a :class:`~.carrier.Gathered`: a cache of the cast, consumed by the
 recipe's matmul when its rule wants that cast; any other reader gets the weight's own values.
@@ -95,6 +99,7 @@ class _Weight:
         casts = tuple(c for c, _ in self.orients)
         self.payload = Payload(name, casts, self.high, owner.count_recast)
         self.inner: dict[int, torch.Tensor] = {}  # NVFP4's unpacked codes, refilled in place
+        self.both: bool | None = None  # both copies travel at every gather (set at the first)
 
     # ------------------------------------------------------------------ geometry
     def span(self, rank: int) -> tuple[int, int]:
@@ -168,10 +173,22 @@ class _Weight:
 
     # ------------------------------------------------------------------ FSDP2's extension
     def carried(self) -> tuple[int, ...]:
-        """The orientations this gather carries (the same count at every gather)."""
+        """The orientations this gather carries: as many at every gather, since FSDP2 sizes its
+        buffers by the first; so whether both travel is settled then, and kept."""
         if len(self.orients) == 1:
             return (0,)
-        if self.owner.recompute or torch_compat.fsdp_keeps_unsharded(self.group):
+        keeps = torch_compat.fsdp_keeps_unsharded(self.group)
+        if self.both is None:
+            self.both = self.owner.recompute or keeps
+        elif keeps and not self.both:
+            raise ConfigError(
+                f"Linear {self.name!r}: its FSDP2 group keeps the weight unsharded from forward "
+                "to backward now (set_reshard_after_forward(False)), but its first "
+                "low-precision gather carried one copy at a time, and FSDP2 keeps each gather "
+                "that size: call set_reshard_after_forward before the first forward, or pass "
+                "recompute=True to gather_low_precision (both copies in every gather)"
+            )
+        if self.both:
             return (0, 1)
         return (1,) if torch_compat.running_backward() else (0,)
 
@@ -193,6 +210,8 @@ class _Weight:
         self.owner.before_gather(self)
         carried = self.carried()
         inputs = tuple(self.codes(i) for i in carried)
+        if self.world == 1 and len(inputs) > 1:  # FSDP2 copies only the first: one, stacked
+            inputs = (torch.cat(inputs),)
         nbytes = sum(t.numel() for t in inputs)
         self.owner.count_gather(nbytes)
         stats = active_stats()
@@ -210,6 +229,8 @@ class _Weight:
         out: torch.Tensor | None = None,
     ) -> tuple[torch.Tensor, list[torch.Tensor]] | None:
         copies = {}
+        if self.world == 1:  # the carried copies stacked along the rows (pre_all_gather)
+            outputs = outputs[0].chunk(len(carried))
         for raw, i in zip(outputs, carried, strict=True):
             codes = self._codes_of(i, raw[: self.rows])
             scale, tensor_scale, amax = self.scales[i]
@@ -398,7 +419,8 @@ def set_up(
     Raises:
         ConfigError: ``model`` is not a ``fully_shard`` root, has been run already, no Linear is
             ruled, a ruled weight is not sharded by FSDP2 (or offloaded, or sharded along
-            ``in_features``), or its features do not fit its recipe's blocks.
+            ``in_features``, or resharded to fewer ranks after forward), or its features do
+            not fit its recipe's blocks.
 
     Host sync: none.
     """
@@ -440,6 +462,7 @@ def _collect(handle: LowPrecisionGather, ruled: dict[int, tuple[str, Recipe]]) -
             if found:
                 name, recipe = found[0]
                 _check(name, fsdp_param, recipe)
+                _check_reshard(name, fsdp_param, group)
                 weight = _Weight(name, fsdp_param, group, recipe, handle)
                 handle.weights.append(weight)
                 handle.groups.setdefault(id(group), []).append(weight)
@@ -467,6 +490,19 @@ def _check(name: str, fsdp_param: Any, recipe: Recipe) -> None:
         raise ConfigError(
             f"{where}: the low-precision gather needs a weight sharded along out_features "
             "(Shard(0)) on one mesh dimension, without CPU offload"
+        )
+
+
+def _check_reshard(name: str, fsdp_param: Any, group: Any) -> None:
+    """Refuse resharding to fewer ranks after forward: FSDP2 keeps a slice of the gathered
+    bytes as the parameter then, and gathers that slice in backward past the extension."""
+    shards = torch_compat.fsdp_post_forward_shards(group)
+    world = torch_compat.fsdp_shard_info(fsdp_param)[1]
+    if shards is not None and shards != world:
+        raise ConfigError(
+            f"Linear {name!r}: its FSDP2 group reshards to {shards} of {world} ranks after "
+            f"forward (reshard_after_forward={shards}), which the low-precision gather cannot "
+            "carry: pass reshard_after_forward=True or False to its fully_shard"
         )
 
 

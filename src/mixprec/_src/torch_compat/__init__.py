@@ -55,6 +55,9 @@ from mixprec._src.torch_compat.fsdp import (
     fsdp_params as fsdp_params,
 )
 from mixprec._src.torch_compat.fsdp import (
+    fsdp_post_forward_shards as fsdp_post_forward_shards,
+)
+from mixprec._src.torch_compat.fsdp import (
     fsdp_shard_info as fsdp_shard_info,
 )
 from mixprec._src.torch_compat.fsdp import (

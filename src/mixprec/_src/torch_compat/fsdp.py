@@ -95,3 +95,15 @@ def fsdp_param_owners(fsdp_param: Any) -> list[tuple[Any, str]]:
     info = fsdp_param._module_info
     shared = zip(info.shared_modules, info.shared_param_names, strict=True)
     return [(info.module, info.param_name), *shared]
+
+
+# --- gather1 ---
+
+
+def fsdp_post_forward_shards(group: Any) -> int | None:
+    """How many ranks an ``FSDPParamGroup`` shards its parameters over from forward to backward:
+    its mesh's (``reshard_after_forward=True``), fewer (an int), None where it keeps them
+    unsharded (``False``, and FSDP's root). Reads ``group.post_forward_mesh_info``, which
+    ``set_reshard_after_forward`` also sets. Checked on 2.13.0."""
+    info = group.post_forward_mesh_info
+    return None if info is None else int(info.shard_mesh_size)
