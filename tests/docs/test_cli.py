@@ -306,3 +306,30 @@ def test_progress_bar_only_on_a_terminal(monkeypatch: pytest.MonkeyPatch) -> Non
             bar.update()
         monkeypatch.undo()
         assert ("it/s" in err.getvalue()) is expect_bar, err.getvalue()
+
+
+@pytest.mark.parametrize(
+    ("argv", "typo", "meant"),
+    [
+        (["demo", "--stpes", "3"], "--stpes", "--steps"),
+        (["demo", "--jsno"], "--jsno", "--json"),
+        (["advise", "--modles", "x", "m:f"], "--modles", "--modules"),
+        (["advise", "--candidtes=fp8", "m:f"], "--candidtes", "--candidates"),
+        (["dry-run", "--policy", "x", "--gpux", "h100", "m:f"], "--gpux", "--gpu"),
+    ],
+)
+def test_a_mistyped_flag_gets_the_closest_option(
+    argv: list[str], typo: str, meant: str, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """Every command: an unrecognized flag is named with the option it most likely meant, under
+    the command's own usage (status 2, nothing run)."""
+    assert main(argv) == 2
+    err = capsys.readouterr().err
+    assert f"{typo}: did you mean {meant}?" in err, err
+    assert f"usage: mixprec {argv[0]}" in err
+
+
+def test_an_unrecognized_positional_gets_no_guess(capsys: pytest.CaptureFixture[str]) -> None:
+    assert main(["demo", "--steps", "3", "extra"]) == 2
+    err = capsys.readouterr().err
+    assert "unrecognized arguments: extra" in err and "did you mean" not in err

@@ -10,7 +10,9 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import difflib
 import importlib
+import re
 import sys
 from collections.abc import Sequence
 
@@ -71,16 +73,32 @@ def main(argv: Sequence[str] | None = None) -> int:
     """
     parser, parsers = _parser()
     try:
-        args = parser.parse_args(argv)
+        args, extra = parser.parse_known_args(argv)
         if args.command_name is None:
             parser.error("choose a command, e.g. `mixprec demo` (`mixprec --help` lists them)")
         command: Command = args.command
+        if extra:
+            parsers[command.name].error(_unrecognized(extra, parsers[command.name]))
         problem = command.check(args)
         if problem is not None:
             parsers[command.name].error(problem)
     except SystemExit as exc:  # argparse exits on --help, --version and bad options
         return exc.code if isinstance(exc.code, int) else 2
     return _run(command, args)
+
+
+def _unrecognized(extra: list[str], parser: argparse.ArgumentParser) -> str:
+    """argparse's message for arguments it did not recognize, with the closest option of the
+    command for each mistyped flag (``--modles``: did you mean ``--modules``?)."""
+    known = sorted(set(re.findall(r"(?<![\w-])--?[A-Za-z][\w-]*", parser.format_help())))
+    hints = []
+    for arg in extra:
+        flag = arg.split("=", 1)[0]
+        close = difflib.get_close_matches(flag, known, 1, 0.6) if flag.startswith("-") else []
+        if close:
+            hints.append(f"{flag}: did you mean {close[0]}?")
+    tail = f" ({'; '.join(hints)})" if hints else ""
+    return f"unrecognized arguments: {' '.join(extra)}{tail}"
 
 
 def _run(command: Command, args: argparse.Namespace) -> int:
