@@ -1,0 +1,116 @@
+"""Variants of #36's surfaces that its own tests do not cover (an adversarial pass).
+
+Regions exited out of order: a region exited while regions entered after it in the same thread
+are still open (explicit ``__exit__`` calls, a generator suspended inside a region and closed or
+collected inside another). The invariant: no bare exception, the inner regions are closed first
+as their own exits would (their later exits do nothing), and once every region has exited torch
+holds what it held before the first (hooks, modes, the autocast state of each device type, the
+IPU flag a policy region borrows). Differential: the model's output inside each region that is
+still open equals the same region entered alone.
+"""
+
+from __future__ import annotations
+
+import gc
+from collections.abc import Iterator
+from typing import Any
+
+import hypothesis.strategies as st
+import torch
+from hypothesis import given, settings
+from torch import nn
+from torch.nn.modules import module as nn_module
+from torch.utils._python_dispatch import _get_current_dispatch_mode_stack
+
+import mixprec
+
+BF16 = torch.bfloat16
+DEVICES = ("cpu", "cuda", "ipu", "xpu")
+HOOK_DICTS = ("_global_forward_pre_hooks", "_global_forward_hooks")
+KINDS = [None, "nn.LayerNorm=fp32", "nn.Linear=fp32", "F.relu=fp32", "report", "fp16"]
+
+
+def snapshot() -> dict[str, Any]:
+    state: dict[str, Any] = {n: list(getattr(nn_module, n).items()) for n in HOOK_DICTS}
+    state["function modes"] = list(torch.overrides._get_current_function_mode_stack())
+    state["dispatch modes"] = list(_get_current_dispatch_mode_stack())
+    for dev in DEVICES:
+        state[dev] = (torch.is_autocast_enabled(dev), torch.get_autocast_dtype(dev))
+    state["cache"] = torch.is_autocast_cache_enabled()
+    return state
+
+
+def region(kind: str | None) -> mixprec.autocast:
+    if kind == "report":
+        return mixprec.autocast("cpu", BF16, report=True)
+    if kind == "fp16":
+        return mixprec.autocast("cpu", torch.float16)
+    return mixprec.autocast("cpu", BF16, policy=kind)
+
+
+def model() -> nn.Module:
+    torch.manual_seed(0)
+    return nn.Sequential(nn.Linear(8, 8), nn.ReLU(), nn.LayerNorm(8), nn.Linear(8, 8))
+
+
+@settings(max_examples=40, deadline=None)
+@given(
+    first=st.sampled_from(KINDS[1:5]),  # a full region (a region without a policy or a report
+    # outside any is native autocast's state switch, exited out of order as torch's is)
+    kinds=st.lists(st.sampled_from(KINDS), min_size=1, max_size=3),
+    data=st.data(),
+)
+def test_regions_exited_in_any_order_leave_nothing_and_raise_nothing_bare(
+    first: str, kinds: list[str | None], data: st.DataObject
+) -> None:
+    kinds = [first, *kinds]
+    net, x = model(), torch.randn(2, 8)
+    before = snapshot()
+    regions = [region(k) for k in kinds]
+    alive = list(range(len(regions)))  # open, in entry order: exiting one closes those after it
+    with torch.no_grad():
+        for r in regions:
+            r.__enter__()
+            net(x)
+        order = data.draw(st.permutations(range(len(regions))))
+        for i in order:
+            regions[i].__exit__(None, None, None)
+            alive = [j for j in alive if j < i]
+            if alive:  # what is still open runs as those regions entered alone
+                got = net(x)
+                with Nest([region(kinds[j]) for j in alive]):
+                    want = net(x)
+                assert got.dtype == want.dtype and torch.equal(got, want), (kinds, order)
+    assert snapshot() == before, (kinds, order)
+
+
+class Nest:
+    """Enter ``regions`` in order, exit them in reverse."""
+
+    def __init__(self, regions: list[mixprec.autocast]) -> None:
+        self.regions = regions
+
+    def __enter__(self) -> None:
+        for r in self.regions:
+            r.__enter__()
+
+    def __exit__(self, *exc: object) -> None:
+        for r in reversed(self.regions):
+            r.__exit__(*exc)
+
+
+def test_a_generator_region_collected_inside_another_region_closes_it_first() -> None:
+    net, x = model(), torch.randn(2, 8)
+    before = snapshot()
+
+    def gen() -> Iterator[None]:
+        with mixprec.autocast("cpu", BF16, policy="nn.Linear=fp32"):
+            yield
+
+    it = gen()
+    next(it)
+    with torch.no_grad(), mixprec.autocast("cpu", torch.float16, policy="nn.LayerNorm=fp32"):
+        del it
+        gc.collect()  # the generator's region exits here, outside-in
+        net(x)
+    assert snapshot() == before
