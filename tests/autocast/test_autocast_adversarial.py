@@ -16,9 +16,12 @@ from collections.abc import Iterator
 from typing import Any
 
 import hypothesis.strategies as st
+import pytest
 import torch
+import torch._dynamo
 from hypothesis import given, settings
 from torch import nn
+from torch._dynamo.utils import counters
 from torch.nn.modules import module as nn_module
 from torch.utils._python_dispatch import _get_current_dispatch_mode_stack
 
@@ -114,3 +117,57 @@ def test_a_generator_region_collected_inside_another_region_closes_it_first() ->
         gc.collect()  # the generator's region exits here, outside-in
         net(x)
     assert snapshot() == before
+
+
+# ------------------------------------------------ per-block compile, an fp8 rule above the Linear
+# A rule whose owner is the compiled block (or a container of blocks) opens its fp8 scope in the
+# block's eager call; the block's compiled forward then runs inside that eager scope. Invariant:
+# fullgraph holds (nothing of the eager scope's bookkeeping is traced), one graph per distinct
+# rules, bitwise the eager model (aot_eager).
+class Small(nn.Module):
+    def __init__(self, d: int) -> None:
+        super().__init__()
+        self.norm = nn.LayerNorm(d)
+        self.lin = nn.Linear(d, d)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return x + self.lin(self.norm(x))
+
+
+class Stack(nn.Module):
+    def __init__(self, n: int = 4, d: int = 32) -> None:
+        super().__init__()
+        torch.manual_seed(0)
+        self.layers = nn.ModuleDict({str(i): Small(d) for i in range(n)})
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        for block in self.layers.values():
+            x = block(x)
+        return x
+
+
+def _step(model: nn.Module, x: torch.Tensor, policy: str) -> list[torch.Tensor]:
+    model.zero_grad(set_to_none=True)
+    with mixprec.autocast("cpu", BF16, policy=policy):
+        out = model(x)
+    out.float().square().mean().backward()
+    return [out.detach(), *(p.grad.clone() for p in model.parameters() if p.grad is not None)]
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize(("policy", "want_graphs"), [("layers.2=fp8", 2), ("layers=fp8", 1)])
+def test_per_block_compile_under_an_fp8_rule_of_the_block_or_its_container(
+    policy: str, want_graphs: int
+) -> None:
+    torch._dynamo.reset()
+    eager, compiled = Stack(), Stack()
+    for block in compiled.layers.values():
+        block.compile(backend="aot_eager", fullgraph=True)
+    x = torch.randn(2, 3, 32, requires_grad=True)
+    want = _step(eager, x, policy)
+    before = counters["stats"]["unique_graphs"]
+    got = _step(compiled, x, policy)
+    assert counters["stats"]["unique_graphs"] - before == want_graphs
+    assert len(got) == len(want)
+    for a, b in zip(got, want, strict=True):
+        assert a.dtype == b.dtype and torch.equal(a, b), policy
