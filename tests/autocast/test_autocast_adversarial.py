@@ -171,3 +171,17 @@ def test_per_block_compile_under_an_fp8_rule_of_the_block_or_its_container(
     assert len(got) == len(want)
     for a, b in zip(got, want, strict=True):
         assert a.dtype == b.dtype and torch.equal(a, b), policy
+
+
+@pytest.mark.parametrize("outer", [None, "fp16"])
+def test_a_region_without_policy_exited_before_a_policy_region_inside_it(outer: str | None) -> None:
+    net, x = model(), torch.randn(2, 8)
+    before = snapshot()
+    thin, full = region(outer), region("nn.LayerNorm=fp32")
+    with torch.no_grad():
+        thin.__enter__()
+        full.__enter__()
+        net(x)
+        thin.__exit__(None, None, None)
+        full.__exit__(None, None, None)
+    assert snapshot() == before

@@ -188,15 +188,21 @@ def _exit_policy(entered: Entered, own_policy: Policy | None, clean: bool) -> No
             raise error
 
 
-def _close_inner(entered: Entered) -> bool:
+def _close_inner(entered: Entered | None) -> bool:
     """Before a region exits: close the regions of this thread entered after it and still open,
     innermost first, as their own exits would (a region exited out of order: a generator
     suspended inside a region and closed inside another, explicit ``__exit__`` calls), so that
     everything is undone in the reverse order it was done in; their own exits later do nothing.
-    False when ``entered`` itself was closed so already. Host sync: none.
+    ``entered`` None: a region without a frame (native autocast's switch, entered outside any
+    full region), so every open frame is inner. False when ``entered`` itself was closed so
+    already. Host sync: none.
     """
     frames = TLS.frames
-    at = next((i for i, f in enumerate(frames) if f is entered.frame), None)
+    at = (
+        -1
+        if entered is None
+        else next((i for i, f in enumerate(frames) if f is entered.frame), None)
+    )
     if at is None:
         return False
     for inner in reversed(frames[at + 1 :]):
@@ -380,6 +386,8 @@ class autocast:
         if has_pending():  # custom_fwd outputs: bound to their grad_fn now, not kept
             bind_pending()
         top = self._stack[-1]
+        if not isinstance(top, Entered) and TLS.frames:
+            _close_inner(None)  # full regions entered inside this thin one: closed first
         if type(top) is tuple:
             pop_state(self.device, self._stack.pop())
             return
