@@ -29,6 +29,7 @@ class Frame:
         "device_type",
         "dtype",
         "enabled",
+        "entered",
         "fp8_on",
         "policy",
         "ran",
@@ -53,6 +54,7 @@ class Frame:
         self.ran: set[object] = set()  # the policy keys of the fp8-family rules that ran
         self.served: set[object] = set()  # those of them that served a matmul
         self.calls_len = 0
+        self.entered: Any = None  # what its region's exit undoes (region.Entered)
 
 
 class Saved:

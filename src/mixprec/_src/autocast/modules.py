@@ -132,7 +132,11 @@ def _open_scope(call: Call, module: nn.Module, eff: Effective, frame: Frame, roo
 def _capture_at_serve() -> None:
     """After a served matmul: inside a checkpoint's forward that no module call inside captured
     (a checkpointed function in a module's forward), make its recomputation replay this
-    forward's context, as a module call there does."""
+    forward's context, as a module call there does. Not while Dynamo traces (a compiled block
+    under a rule opened by an eager call around it): a traced forward captures nothing here,
+    as the traced path's own mode does (checkpoint's frames cannot be traced)."""
+    if torch.compiler.is_compiling():
+        return
     tls = TLS
     calls = tls.calls
     if tls.frames and (torch.is_grad_enabled() or (calls and calls[-1].grad)):

@@ -115,7 +115,7 @@ def _enter_policy(
     frame.calls_len = len(tls.calls)
     tls.frames.append(frame)
     tls.current = None  # the first module of this frame records its root in it
-    entered.frame = frame
+    entered.frame, frame.entered = frame, entered
     try:
         if policy is not None:
             entered.marked = mark_policy_region()
@@ -186,6 +186,31 @@ def _exit_policy(entered: Entered, own_policy: Policy | None, clean: bool) -> No
         error = fp8.check_class_reach(policy, frame.ran, frame.served, frame.roots)
         if error is not None:
             raise error
+
+
+def _close_inner(entered: Entered | None) -> bool:
+    """Before a region exits: close the regions of this thread entered after it and still open,
+    innermost first, as their own exits would (a region exited out of order: a generator
+    suspended inside a region and closed inside another, explicit ``__exit__`` calls), so that
+    everything is undone in the reverse order it was done in; their own exits later do nothing.
+    ``entered`` None: a region without a frame (native autocast's switch, entered outside any
+    full region), so every open frame is inner. False when ``entered`` itself was closed so
+    already. Host sync: none.
+    """
+    frames = TLS.frames
+    at = (
+        -1
+        if entered is None
+        else next((i for i, f in enumerate(frames) if f is entered.frame), None)
+    )
+    if at is None:
+        return False
+    for inner in reversed(frames[at + 1 :]):
+        try:
+            _leave(inner.entered)
+        finally:
+            inner.entered.native.__exit__(None, None, None)
+    return True
 
 
 class autocast:
@@ -361,6 +386,8 @@ class autocast:
         if has_pending():  # custom_fwd outputs: bound to their grad_fn now, not kept
             bind_pending()
         top = self._stack[-1]
+        if not isinstance(top, Entered) and TLS.frames:
+            _close_inner(None)  # full regions entered inside this thin one: closed first
         if type(top) is tuple:
             pop_state(self.device, self._stack.pop())
             return
@@ -374,6 +401,8 @@ class autocast:
 
     def _exit_full(self, exc_type: Any, exc: Any, tb: Any) -> None:
         entered = self._stack.pop()
+        if not _close_inner(entered):
+            return  # closed already, by a region entered before it and exited first
         try:
             _exit_policy(entered, self.policy, exc_type is None)
         finally:

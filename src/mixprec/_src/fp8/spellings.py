@@ -10,7 +10,7 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 
-from mixprec._src.torch_compat import public_attr
+from mixprec._src.torch_compat import mark_constant, public_attr
 
 # The matmuls the recipe serves, each with its kind and its parameters in torch's order (a Tensor
 # method's ``self`` first): every spelling (positional, keyword, method, operator, alias) is bound
@@ -53,6 +53,7 @@ REFUSED = {
 }
 
 
+@mark_constant  # Dynamo runs it at trace time: it cannot trace str methods of a function's name
 def label(func: Any) -> str:
     """How the user spelled ``func``."""
     if func is RMATMUL:
