@@ -59,8 +59,8 @@ def time_forwards(net: nn.Module, x: torch.Tensor, iters: int) -> float:
     return statistics.median(times) * 1e6
 
 
-def worker(conn: Connection, role: str, iters: int) -> None:
-    torch.set_num_threads(1)
+def worker(conn: Connection, role: str, iters: int, threads: int) -> None:
+    torch.set_num_threads(threads)
     import mixprec  # noqa: F401  (imported in both: only the region differs)
     from mixprec._src.autocast.modules import acquire_global_hooks, release_global_hooks
 
@@ -84,13 +84,16 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__)
     parser.add_argument("--rounds", type=int, default=60)
     parser.add_argument("--iters", type=int, default=200)
+    parser.add_argument(
+        "--threads", type=int, default=1, help="torch.set_num_threads, each process"
+    )
     args = parser.parse_args()
     ctx = mp.get_context("spawn")
     pipes, procs = {}, []
     roles = ("before", "control", "after")
     for role in roles:
         ours, theirs = ctx.Pipe()
-        proc = ctx.Process(target=worker, args=(theirs, role, args.iters))
+        proc = ctx.Process(target=worker, args=(theirs, role, args.iters, args.threads))
         proc.start()
         pipes[role], procs = ours, [*procs, proc]
     rows: dict[str, list[float]] = {"before": [], "control": [], "after": [], "kept": []}
@@ -106,7 +109,10 @@ def main() -> None:
         pipe.send(False)
     for proc in procs:
         proc.join()
-    print(f"torch {torch.__version__}, 1 thread, {args.rounds} rounds x {args.iters} forwards")
+    print(
+        f"torch {torch.__version__}, {args.threads} thread(s), "
+        f"{args.rounds} rounds x {args.iters} forwards"
+    )
     print(f"{'forward of a 49-module MLP':55s} {'median us':>10s} {'paired ratio':>13s}")
     base = rows["before"]
     labels = {

@@ -450,7 +450,9 @@ def test_a_snippet_sees_nothing_of_the_repository_but_the_package(
     seen = json.loads(run.stdout)
     assert seen["importable"] == {"examples": False, "tests": False}, seen
     assert not Path(seen["cwd"]).resolve().is_relative_to(ROOT), seen["cwd"]
-    inside = {Path(p).resolve() for p in seen["path"] if Path(p).resolve().is_relative_to(ROOT)}
+    env = Path(sys.prefix).resolve()  # the virtual environment (make's .venv lies in the clone)
+    paths = {Path(p).resolve() for p in seen["path"]}
+    inside = {p for p in paths if p.is_relative_to(ROOT) and not p.is_relative_to(env)}
     assert inside <= {ROOT / "src"}, inside
 
 
