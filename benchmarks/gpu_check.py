@@ -316,7 +316,7 @@ def _case(mkn: tuple[int, int, int]) -> tuple[torch.Tensor, torch.Tensor]:
 def _real_run(device: torch.device, rule: str, mkn: tuple[int, int, int], cap: Any) -> Any:
     """One step on ``device`` with each kernel call recorded as it runs: (verdicts, grads)."""
     from mixprec._src.dryrun.run import _rows
-    from mixprec._src.fp8.kernels import Target, routed_as
+    from mixprec._src.fp8.kernels import DryRunGpu, routed_as
 
     def launch(found: Any, call: Any) -> torch.Tensor:
         try:
@@ -332,7 +332,7 @@ def _real_run(device: torch.device, rule: str, mkn: tuple[int, int, int], cap: A
     with torch.no_grad():
         model[0].weight.copy_(w0)
     x = x0.to(device).requires_grad_()
-    found = Target(cap or (0, 0), launch=launch)
+    found = DryRunGpu(cap or (0, 0), launch=launch)
     torch.manual_seed(0)
     try:
         with routed_as(found):

@@ -17,9 +17,9 @@ already (nothing to switch); one whose owner is not running (a container its par
 indexes, a recomputed child) is applied at the child.
 
 **Checkpoint recomputation** runs in backward, outside the region. The first module call inside a
-checkpoint's forward captures the forward's context (:class:`Snapshot`: the frame, the roots, the
-calls around the checkpoint, the stats, the tensors followed) into the checkpoint's recompute
-function (:func:`~.ops.capture_for_recompute`), which replays it (:meth:`Snapshot.replaying`):
+checkpoint's forward captures the forward's context (:class:`ForwardContext`: the frame, the
+roots, the calls around the checkpoint, the stats, the tensors followed) into the recompute
+function (:func:`~.ops.capture_for_recompute`), which replays it (:meth:`ForwardContext.replaying`):
 the recompute runs under the forward's own rules, whatever ran in between, in any thread.
 
 **torch.compile.** Dynamo traces these hooks; while it does, they take the path of
@@ -68,8 +68,8 @@ from mixprec.errors import ConfigError
 __all__ = [
     "TLS",
     "Call",
+    "ForwardContext",
     "Frame",
-    "Snapshot",
     "acquire_global_hooks",
     "current_module_name",
     "detach_hooks",
@@ -141,7 +141,7 @@ def _capture_at_serve() -> None:
     calls = tls.calls
     if tls.frames and (torch.is_grad_enabled() or (calls and calls[-1].grad)):
         frame = tls.frames[-1]
-        capture_for_recompute(lambda: Snapshot(frame))
+        capture_for_recompute(lambda: ForwardContext(frame))
 
 
 def _close(call: Call, frame: Frame | None, output: Any, failed: bool) -> Any:
@@ -211,7 +211,7 @@ def _global_pre(module: nn.Module, args: Any) -> Any:
         and (grad or not tls.calls or tls.calls[-1].grad)
     ):
         # (under a call that began without grad, any checkpoint here began before it: captured)
-        capture_for_recompute(lambda: Snapshot(frame))
+        capture_for_recompute(lambda: ForwardContext(frame))
     call, new_args = _open(module, name, eff, frame, root, args)
     call.grad, call.eager = grad, True
     if compiled and policy is not None:  # its forward is traced: the rules under it, by path
@@ -234,7 +234,7 @@ def _global_post(module: nn.Module, args: Any, output: Any) -> Any:
 
 
 # ---------------------------------------------------------------- checkpoint recomputation
-class Snapshot:
+class ForwardContext:
     """The context of a forward around a checkpoint, replayed by its recomputation: the frame,
     the roots, the calls around the checkpoint, the stats entered and the tensors followed.
 

@@ -12,7 +12,7 @@ restoring native autocast but not this mode, so a recompute would run the ops wi
 different gradients). When an op rule applies inside a checkpointed forward, the mode wraps that
 checkpoint's recompute function so that it runs under the same rule table. Module rules replay
 the same way: the first module call inside a checkpoint's forward wraps its recompute function with
-the forward's context (:func:`capture_for_recompute`, :class:`.modules.Snapshot`).
+the forward's context (:func:`capture_for_recompute`, :class:`.modules.ForwardContext`).
 
 Finding a running checkpoint and replacing its recompute function reads private parts of
 ``torch.utils.checkpoint``: torch_compat does it (:func:`~mixprec._src.torch_compat.

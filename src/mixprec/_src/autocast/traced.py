@@ -23,7 +23,7 @@ from mixprec._src.autocast.calls import TLS, Call, Frame, current_scope, decide,
 from mixprec._src.autocast.casting import cast_tree, first_floating_dtype
 from mixprec._src.autocast.native import backward_autocast_off_while_tracing, never_compiled_alone
 from mixprec._src.autocast.policy import Policy
-from mixprec._src.autocast.tree import Plan
+from mixprec._src.autocast.tree import RulePlan
 from mixprec._src.fp8 import hook as fp8_hook
 from mixprec._src.fp8.recipes import get_recipe
 from mixprec._src.torch_compat import disable_dynamo, mark_constant
@@ -123,7 +123,7 @@ _SUBTREES_KEPT = 4096
 
 
 def subtree_rules(
-    root: nn.Module, plan: Plan, module: nn.Module, name: str
+    root: nn.Module, plan: RulePlan, module: nn.Module, name: str
 ) -> dict[str, tuple[Any, ...]]:
     """The rule of each module under ``module`` (named ``name`` in ``root``) by its name relative
     to ``module``: ``(owner, compute, output, recipe, guarded, fp8_family, source)``, ``owner``

@@ -2,7 +2,7 @@
 
 A module is named relative to its *root*, the module called at the top of the region whose tree
 contains it. Each root has a :class:`Tree` (id -> qualified name and the path of keys to it, and
-the :class:`Plan` of each policy it ran under), kept in a weak table beside the model, never on
+the :class:`RulePlan` of each policy it ran under), kept in a weak table beside the model, never on
 it; a name is used only while its path still leads to its module, so moving, swapping or dropping
 modules renames them at their next call.
 
@@ -68,7 +68,7 @@ def _serves_own_matrix(module: nn.Module) -> bool:
     return can_serve(type(module)) and any(p.dim() >= 2 for p in own)
 
 
-class Plan:
+class RulePlan:
     """The effective rule of each module of one tree under one policy (by module id).
 
     A module reachable under several names (``nn.ModuleList([block] * 3)``, a module assigned to
@@ -151,7 +151,7 @@ def rule_of(root: nn.Module, policy: Policy, module: nn.Module) -> Rule | None:
 
     Host sync: none.
     """
-    eff = Plan(root, policy).rules.get(id(module))
+    eff = RulePlan(root, policy).rules.get(id(module))
     return None if eff is None else eff.rule
 
 
@@ -169,14 +169,14 @@ class Tree:
             self.names.setdefault(id(m), (n, tuple(n.split(".")) if n else ()))
             every.append(n)
         self.every: tuple[str, ...] = tuple(every)
-        self.plans: dict[Policy, Plan] = {}
+        self.plans: dict[Policy, RulePlan] = {}
 
-    def plan(self, root: nn.Module, policy: Policy) -> Plan:
+    def plan(self, root: nn.Module, policy: Policy) -> RulePlan:
         """The plan of ``policy`` over ``root`` (made once per tree and policy). Host sync:
         none."""
         found = self.plans.get(policy)
         if found is None:
-            found = self.plans[policy] = Plan(root, policy)
+            found = self.plans[policy] = RulePlan(root, policy)
             while len(self.plans) > _PLANS_KEPT:
                 self.plans.pop(next(iter(self.plans)))
         return found

@@ -25,7 +25,7 @@ from mixprec._src.autocast.region import autocast
 from mixprec._src.dryrun import rules
 from mixprec._src.dryrun.memory import SavedBytes, count_saved
 from mixprec._src.dryrun.table import render
-from mixprec._src.fp8.kernels import KernelCall, Target, routed_as, to_blocked
+from mixprec._src.fp8.kernels import DryRunGpu, KernelCall, routed_as, to_blocked
 from mixprec.errors import ConfigError, MixprecError
 
 NATIVE, EMULATED, FAILS, HIGH = "native", "emulated", "would fail", "high precision"
@@ -88,7 +88,7 @@ class DryRun:
         return render(self, width)
 
 
-def _launch(found: Target, call: KernelCall) -> torch.Tensor:
+def _launch(found: DryRunGpu, call: KernelCall) -> torch.Tensor:
     if call.a.device.type != "meta":  # a real tensor met inside the step: run it
         return call.run()
     out, broken = rules.check(call, found.capability)
@@ -121,7 +121,7 @@ def _kernel_row(site: tuple[str, str, str], call: KernelCall, broken: list[rules
     return Row(module, matmul, recipe, NATIVE, api, mkn, call)
 
 
-def _rows(found: Target, gpu: str) -> tuple[Row, ...]:
+def _rows(found: DryRunGpu, gpu: str) -> tuple[Row, ...]:
     out = []
     for (module, matmul, recipe), kind, detail in found.calls:
         if kind == "kernel":
@@ -197,7 +197,7 @@ def dry_run(
     """
     card = get_gpu(gpu)
     copied, meta_batch = meta_copy(model), _to_meta(batch)
-    found = Target(card.capability, launch=_launch)
+    found = DryRunGpu(card.capability, launch=_launch)
     error = None
     with routed_as(found), count_saved(copied) as saved:
         try:

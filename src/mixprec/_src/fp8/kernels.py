@@ -95,7 +95,7 @@ def _enums(kind: Any, names: tuple[str, ...]) -> Any:
 
 
 @dataclass
-class Target:
+class DryRunGpu:
     """A GPU a dry run routes as (its compute capability), the call site being run, and the
     kernel calls recorded there; the one state of a dry run (:func:`routed_as`)."""
 
@@ -110,10 +110,10 @@ class Target:
         self.calls.append((self.site, kind, detail))
 
 
-_TARGET: ContextVar[Target | None] = ContextVar("mixprec_dry_run_target", default=None)
+_TARGET: ContextVar[DryRunGpu | None] = ContextVar("mixprec_dry_run_target", default=None)
 
 
-def target() -> Target | None:
+def target() -> DryRunGpu | None:
     """The dry run in progress, if any (a dry run runs eagerly: never in compiled code, which
     does not trace a context variable). Host sync: none."""
     if torch.compiler.is_compiling():
@@ -122,7 +122,7 @@ def target() -> Target | None:
 
 
 @contextlib.contextmanager
-def routed_as(found: Target) -> Iterator[Target]:
+def routed_as(found: DryRunGpu) -> Iterator[DryRunGpu]:
     """Route meta tensors' matmuls as ``found``'s GPU would, recording each kernel call.
     Host sync: none."""
     token = _TARGET.set(found)

@@ -158,7 +158,7 @@ def _hardware_ok(plan: Plan, a: Side, b: Side) -> bool:
     return plan.scaled_mm and all(d % 16 == 0 for d in _dims(a, b))
 
 
-def _site(plan: Plan, matmul: int) -> kernels.Target | None:
+def _site(plan: Plan, matmul: int) -> kernels.DryRunGpu | None:
     """The dry run in progress, told which module, matmul and recipe run next."""
     found = kernels.target()
     if found is not None:
