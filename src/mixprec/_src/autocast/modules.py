@@ -72,7 +72,6 @@ __all__ = [
     "Frame",
     "acquire_global_hooks",
     "current_module_name",
-    "detach_hooks",
     "forget_roots",
     "names_run",
     "release_global_hooks",
@@ -317,23 +316,3 @@ def release_global_hooks() -> None:
         _USERS[0] -= 1
         if _USERS[0] == 0:
             _HOOKS.remove()
-
-
-def detach_hooks(module: nn.Module) -> int:
-    """Kept for compatibility: mixprec attaches nothing to modules any more (the rules live in
-    the region), so there is nothing to remove; forgets the names kept for ``module``.
-
-    Example:
-        >>> from torch import nn
-        >>> detach_hooks(nn.Linear(2, 2))
-        0
-
-    Returns:
-        0: the number of modules that carried mixprec hooks.
-
-    Host sync: none.
-    """
-    from mixprec._src.autocast.tree import forget_tree
-
-    forget_tree(module)
-    return 0

@@ -22,7 +22,6 @@ from mixprec._src.autocast.modules import (
     TLS,
     Frame,
     acquire_global_hooks,
-    detach_hooks,
     forget_roots,
     names_run,
     release_global_hooks,
@@ -452,28 +451,6 @@ class autocast:
         new.__dict__.update(self.__dict__)
         new._stack = []
         return new
-
-    @staticmethod
-    def detach_hooks(module: torch.nn.Module) -> int:
-        """Kept for code written against earlier releases: policy regions attach nothing to
-        modules any more (the rules live in the region and in checkpoint recompute functions),
-        so there is nothing to remove; the names kept for ``module`` as a root are forgotten.
-
-        Example:
-            >>> import torch
-            >>> import mixprec
-            >>> model = torch.nn.Sequential(torch.nn.Linear(2, 2), torch.nn.LayerNorm(2))
-            >>> with mixprec.autocast("cpu", policy="nn.LayerNorm=fp32"):
-            ...     _ = model(torch.randn(1, 2))
-            >>> mixprec.autocast.detach_hooks(model)
-            0
-
-        Returns:
-            0, the number of modules that carried mixprec hooks.
-
-        Host sync: none.
-        """
-        return detach_hooks(module)
 
     def __repr__(self) -> str:
         extra = f", policy={self.policy!r}" if self.policy is not None else ""

@@ -208,15 +208,6 @@ def has_tree(module: nn.Module) -> bool:
     return module in _TREES
 
 
-def forget_tree(module: nn.Module) -> bool:
-    """Drop the names and plans kept for ``module`` as a root; True if there were any.
-
-    Host sync: none.
-    """
-    with _LOCK:
-        return _TREES.pop(module, None) is not None
-
-
 def at(root: nn.Module, keys: tuple[str, ...]) -> nn.Module | None:
     """The module the key path leads to from ``root`` (None where it leads nowhere).
 
