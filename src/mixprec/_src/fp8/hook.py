@@ -25,6 +25,7 @@ from collections.abc import Callable, Iterable
 from typing import Any
 
 import torch
+import torch.nn.functional as F
 from torch import nn
 from torch.overrides import TorchFunctionMode
 
@@ -284,6 +285,12 @@ class Fp8Mode(TorchFunctionMode):
         weight_only = all(self._followed(t) or t.dim() == 0 or t in constants for t in tensors)
         scope = self.current()
         weight_only = weight_only or (scope is not None and scope.computing)
+        if scope is not None and weight_only and not scope.computing:
+            # F.linear names its weight: a weight or constant as its input (a learned query,
+            # a fixed positional table) is an activation of the module that runs it.
+            weight_only = not (func is F.linear and self._followed(_linear_weight(args, kwargs)))
+            if weight_only and (func in OPS or func in REFUSED or func is RMATMUL):
+                _note(scope, label(func) + " computing a weight (on weights and constants alone)")
         if scope is not None and not weight_only:
             served = _serve(self, scope, func, args, kwargs)
             if served is not None:
@@ -294,6 +301,16 @@ class Fp8Mode(TorchFunctionMode):
         if weight_only:
             self.follow(_outputs(out))
         return out
+
+
+def _linear_weight(args: tuple[Any, ...], kwargs: dict[str, Any]) -> object:
+    return args[1] if len(args) > 1 else kwargs.get("weight")
+
+
+def _note(scope: Scope, spelled: str) -> None:
+    """Keep ``spelled`` among the calls that took one of the scope's weights (its error)."""
+    if len(scope.called) < 8 and spelled not in scope.called:
+        scope.called.append(spelled)
 
 
 def _same_view(a: torch.Tensor, b: torch.Tensor) -> bool:
@@ -328,8 +345,7 @@ def _serve(
     """The served result of a matmul on a weight operand and an activation; None: not a matmul
     on a weight (run as written). Refuses a matmul on a weight that the recipe cannot run."""
     spelled = label(func)
-    if len(scope.called) < 8 and spelled not in scope.called:
-        scope.called.append(spelled)
+    _note(scope, spelled)
     if func is not RMATMUL and func not in OPS:
         if func in REFUSED:
             _refuse(scope.name, spelled)
