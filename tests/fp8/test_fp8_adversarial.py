@@ -6,13 +6,17 @@ of tests/fp8_oracle.py) over forms the spelling and variant tests do not hold:
   is that module's activation, served, whether or not the module's parent opened a scope (before:
   a ruled parent made the Linear's input "a weight" and the Linear refused, "served nothing");
 - a guarded module whose only matmul computes a weight names that matmul in its error (before:
-  "called no torch function on its weights").
+  "called no torch function on its weights");
+- ``F.linear(W, x)`` (``W @ x.T``: the weight as F.linear's input) is served as ``torch.mm(W,
+  x.t())`` is (before: refused as "F.linear on one of its weights"), and a weight of another rank
+  is refused naming the op the forward ran (before: "a matmul").
 """
 
 from __future__ import annotations
 
 import pytest
 import torch
+import torch.nn.functional as F
 from tests.fp8_harness import HOWS, RULES, D, Linear, assert_not_plain, interleaved
 from torch import nn
 
@@ -75,7 +79,7 @@ class Holder(nn.Module):
         self.m = inner
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.m(x)  # type: ignore[no-any-return]
+        return self.m(x)
 
     def oracle(self, x: torch.Tensor, lin: Linear) -> torch.Tensor:
         return self.m.oracle(x, lin)  # type: ignore[operator]
@@ -90,7 +94,9 @@ POLICIES = {"parent": "m={r}", "class": "nn.Linear={r}", "everything": "*={r}"}
 @pytest.mark.parametrize("where", POLICIES)
 @pytest.mark.parametrize("rule", RULES)
 @pytest.mark.parametrize("how", [HOWS[0], HOWS[1]])
-def test_a_linear_serves_its_input_whatever_made_it(form: str, where: str, rule: str, how: str):
+def test_a_linear_serves_its_input_whatever_made_it(
+    form: str, where: str, rule: str, how: str
+) -> None:
     def make() -> nn.Module:
         return Holder(FORMS[form]())
 
@@ -116,3 +122,65 @@ def test_a_guarded_module_computing_only_a_weight_names_that_matmul() -> None:
     region = mixprec.autocast("cpu", torch.bfloat16, policy="m=fp8")
     with pytest.raises(ConfigError, match=r"module 'm'.*Tensor\.matmul computing a weight"), region:
         model(torch.randn(2, 4, D))
+
+
+# ---------------------------------------------------------------- F.linear with the weight first
+def _rows(x: torch.Tensor) -> torch.Tensor:
+    return x.reshape(-1, D)
+
+
+WEIGHT_FIRST = {
+    # F.linear(W, x) is W @ x.T: the weight consumed as the left operand, as torch.mm(W, x.t())
+    "F.linear(W,x).t()": (
+        lambda x, w, b: F.linear(w, _rows(x)).t() + b,
+        lambda x, w, b, lin: lin(_rows(x), w, None) + b,
+    ),
+    "F.linear(input=W,weight=x,bias=).t()": (
+        lambda x, w, b: F.linear(input=w, weight=_rows(x), bias=b[:1]).t(),
+        lambda x, w, b, lin: lin(_rows(x), w, None) + b[:1].to(torch.bfloat16)[:, None],
+    ),
+    "F.linear(W,row)": (
+        lambda x, w, b: torch.stack([F.linear(w, r) for r in _rows(x)]) + b,
+        lambda x, w, b, lin: torch.stack([lin(r, w, None) for r in _rows(x)]) + b,
+    ),
+}
+
+
+class WeightFirst(nn.Linear):
+    def __init__(self, spelling: str) -> None:
+        super().__init__(D, D)
+        self.run, self.want = WEIGHT_FIRST[spelling]
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.run(x, self.weight, self.bias).view(*x.shape[:-1], -1)
+
+    def oracle(self, x: torch.Tensor, lin: Linear) -> torch.Tensor:
+        out = self.want(x, self.weight, self.bias, lin)
+        return out.view(*x.shape[:-1], -1)
+
+
+@pytest.mark.parametrize("spelling", WEIGHT_FIRST)
+@pytest.mark.parametrize("rule", RULES)
+@pytest.mark.parametrize("how", [HOWS[0], HOWS[2]])
+def test_f_linear_with_the_weight_as_its_input_is_served(
+    spelling: str, rule: str, how: str
+) -> None:
+    interleaved(lambda: Holder(WeightFirst(spelling)), lambda r: f"m={r}", rule, how)
+
+
+class NdWeight(nn.Linear):
+    def __init__(self, op: str) -> None:
+        super().__init__(D, D)
+        self.op = op
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        w = self.weight.unsqueeze(0)
+        return F.linear(x, w) if self.op == "F.linear" else torch.matmul(x, w.mT)
+
+
+@pytest.mark.parametrize("op", ["F.linear", "torch.matmul"])
+def test_a_weight_of_another_rank_is_refused_naming_the_op(op: str) -> None:
+    region = mixprec.autocast("cpu", torch.bfloat16, policy="m=fp8")
+    match = rf"module 'm'.*runs {op} on a 3-D weight"
+    with pytest.raises(ConfigError, match=match), region:
+        Holder(NdWeight(op))(torch.randn(2, 4, D))

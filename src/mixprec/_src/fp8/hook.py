@@ -135,7 +135,7 @@ def serve_linear(
     Host sync: none.
     """
     if weight.dim() != 2:
-        raise ConfigError(_unservable(scope.name, f"a matmul on a {weight.dim()}-D weight"))
+        raise ConfigError(_unservable(scope.name, "a matmul", f"a {weight.dim()}-D weight"))
     check_shape(scope.name, tuple(weight.shape), scope.recipe)
     scope.served += 1
     if weight.numel() == 0:  # Linear(0, n) or Linear(n, 0): nothing to scale, zeros as nn.Linear
@@ -355,7 +355,13 @@ def _serve(
     if kind == "linear":
         x, w, bias = operands
         if on(w):
+            if w.dim() != 2:
+                _refuse(scope.name, spelled, f"a {w.dim()}-D weight")
             return serve_linear(scope, x, w, bias)
+        if on(x) and isinstance(w, torch.Tensor) and w.dim() in (1, 2):  # F.linear(W, x): W @ x.T
+            return _serve_product(
+                scope, x, w.t() if w.dim() == 2 else w, bias, spelled, True, False
+            )
         if on(x):
             _refuse(scope.name, spelled)
         return None
@@ -389,25 +395,25 @@ def _serve_product(
         out = serve_linear(scope, b.mT if b.dim() > 1 else b, a, None)
         out = out.mT if b.dim() > 1 else out
         return out if bias is None else out + bias.to(out.dtype)
-    _refuse(scope.name, f"{label} on a {(a if a_weight else b).dim()}-D weight")
+    _refuse(scope.name, label, f"a {(a if a_weight else b).dim()}-D weight")
     return None
 
 
-def _unservable(name: str, what: str) -> str:
+def _unservable(name: str, what: str, on: str = "one of its weights") -> str:
     if what == "F.multi_head_attention_forward":
         return attention_message(name)
     shown = repr(name) if name else "the model"
     return (
-        f"an fp8-family rule serves module {shown}, whose forward runs {what} on one of its "
-        f"weights: the recipe runs {SERVES}, not that. Give the module a rule that is not fp8 "
+        f"an fp8-family rule serves module {shown}, whose forward runs {what} on {on}: the "
+        f"recipe runs {SERVES}, not that. Give the module a rule that is not fp8 "
         f"(e.g. '{name or '<module>'}=bf16'), or write that matmul as one of those."
     )
 
 
 @disable_dynamo
-def _refuse(name: str, label: str) -> None:
+def _refuse(name: str, label: str, on: str = "one of its weights") -> None:
     # Dynamo runs this eagerly (a graph break), so the error reaches the user.
-    raise ConfigError(_unservable(name, label))
+    raise ConfigError(_unservable(name, label, on))
 
 
 def attention_message(name: str) -> str:
