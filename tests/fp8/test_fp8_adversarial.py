@@ -9,10 +9,14 @@ of tests/fp8_oracle.py) over forms the spelling and variant tests do not hold:
   "called no torch function on its weights");
 - ``F.linear(W, x)`` (``W @ x.T``: the weight as F.linear's input) is served as ``torch.mm(W,
   x.t())`` is (before: refused as "F.linear on one of its weights"), and a weight of another rank
-  is refused naming the op the forward ran (before: "a matmul").
+  is refused naming the op the forward ran (before: "a matmul");
+- a constant made in a block (a causal mask) is freed with the block, not kept by the mode until
+  the outermost ruled forward ends.
 """
 
 from __future__ import annotations
+
+import weakref
 
 import pytest
 import torch
@@ -184,3 +188,42 @@ def test_a_weight_of_another_rank_is_refused_naming_the_op(op: str) -> None:
     match = rf"module 'm'.*runs {op} on a 3-D weight"
     with pytest.raises(ConfigError, match=match), region:
         Holder(NdWeight(op))(torch.randn(2, 4, D))
+
+
+# ---------------------------------------------------------------- what the mode keeps alive
+class MaskBlock(nn.Module):
+    """A block that makes a constant (a causal mask) in its forward and uses it."""
+
+    def __init__(self, seen: list[weakref.ref[torch.Tensor]]) -> None:
+        super().__init__()
+        self.fc, self.seen = nn.Linear(D, D), seen
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        mask = torch.ones(x.shape[-2], x.shape[-2]).tril()
+        self.seen.append(weakref.ref(mask))
+        return self.fc(mask @ x)
+
+
+class Blocks(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.seen: list[weakref.ref[torch.Tensor]] = []
+        self.blocks = nn.ModuleList([MaskBlock(self.seen) for _ in range(4)])
+        self.alive: list[int] = []
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        for block in self.blocks:
+            x = block(x)
+            self.alive.append(sum(r() is not None for r in self.seen))
+        return x
+
+
+@pytest.mark.parametrize("policy", ["blocks.*=fp8", "nn.Linear=fp8", "*=fp8"])
+def test_a_constant_made_in_a_block_is_freed_with_it(policy: str) -> None:
+    """The mode's constants are held weakly: a mask made in each block lives as long as it would
+    without mixprec (under a rule on the root, before: every block's mask until the forward's
+    end)."""
+    model = Blocks()
+    with torch.no_grad(), mixprec.autocast("cpu", torch.bfloat16, policy=policy):
+        model(torch.randn(2, 64, D))
+    assert model.alive == [0] * 4

@@ -21,6 +21,7 @@ Linear) that closes having served nothing is an error naming the module and what
 
 from __future__ import annotations
 
+import weakref
 from collections.abc import Callable, Iterable
 from typing import Any
 
@@ -148,26 +149,36 @@ def serve_linear(
 class _Tensors:
     """A set of tensors compared with ``is``: by id in eager mode (one lookup per tensor), along
     the list while Dynamo traces (it does not trace ``id`` of a tensor); ``listed`` once anything
-    was added while tracing (a graph break then runs the rest eagerly)."""
+    was added while tracing (a graph break then runs the rest eagerly). A ``weak`` set holds what
+    eager mode adds by weak reference (the constants: a causal mask made in each block is freed
+    after its block, not kept until the outermost forward ends)."""
 
-    __slots__ = ("ids", "items", "listed")
+    __slots__ = ("added", "ids", "items", "listed", "weak")
 
-    def __init__(self) -> None:
+    def __init__(self, weak: bool = False) -> None:
         self.items: list[torch.Tensor] = []
-        self.ids: dict[int, torch.Tensor] = {}
-        self.listed = False
+        self.ids: dict[int, Any] = {}  # the tensor, or a weak reference to it
+        self.listed = self.added = False
+        self.weak = weak
 
     def add(self, t: torch.Tensor) -> None:
-        self.items.append(t)
+        self.added = True
         if torch.compiler.is_compiling():
+            self.items.append(t)
             self.listed = True
+        elif self.weak:
+            self.ids[id(t)] = weakref.ref(t)
         else:
+            self.items.append(t)
             self.ids[id(t)] = t
 
     def __contains__(self, value: torch.Tensor) -> bool:
-        if self.listed or torch.compiler.is_compiling():
+        if torch.compiler.is_compiling():
             return any(value is t for t in self.items)
-        return self.ids.get(id(value)) is value
+        found = self.ids.get(id(value))
+        if found is not None and (found() if self.weak else found) is value:
+            return True
+        return self.listed and any(value is t for t in self.items)
 
 
 def _tensors_of(args: tuple[Any, ...], kwargs: dict[str, Any]) -> list[torch.Tensor]:
@@ -216,7 +227,7 @@ class Fp8Mode(TorchFunctionMode):
         self.current = current
         self.on_serve = on_serve  # called after each served matmul (eager)
         self._followed_set = _Tensors()  # compared with ``is``: tied weights need no care
-        self._constants = _Tensors()
+        self._constants = _Tensors(weak=True)
         self.follow(followed)
 
     @property
@@ -276,7 +287,7 @@ class Fp8Mode(TorchFunctionMode):
         if not any(self._followed(t) for t in tensors):
             out = func(*args, **kwargs)
             # made from no tensor, or from constants alone
-            if not tensors or (constants.items and all(t in constants for t in tensors)):
+            if not tensors or (constants.added and all(t in constants for t in tensors)):
                 for t in _outputs(out):
                     constants.add(t)
             return out
