@@ -11,7 +11,9 @@ of tests/fp8_oracle.py) over forms the spelling and variant tests do not hold:
   x.t())`` is (before: refused as "F.linear on one of its weights"), and a weight of another rank
   is refused naming the op the forward ran (before: "a matmul");
 - a constant made in a block (a causal mask) is freed with the block, not kept by the mode until
-  the outermost ruled forward ends.
+  the outermost ruled forward ends;
+- the gather's missing-copy error names the casts of the weight's recipe (was "a rowwise weight",
+  also for mxfp8).
 """
 
 from __future__ import annotations
@@ -227,3 +229,18 @@ def test_a_constant_made_in_a_block_is_freed_with_it(policy: str) -> None:
     with torch.no_grad(), mixprec.autocast("cpu", torch.bfloat16, policy=policy):
         model(torch.randn(2, 64, D))
     assert model.alive == [0] * 4
+
+
+# ---------------------------------------------------------------- the gather's messages
+@pytest.mark.parametrize("recipe", ["rowwise", "mxfp8"])
+def test_a_missing_gathered_copy_names_the_recipes_casts(recipe: str) -> None:
+    """The forward's copy only, asked for the input gradient's: the error names the casts of
+    the weight's recipe (before: "a rowwise weight", also for mxfp8)."""
+    from mixprec._src.fp8.carrier import Payload
+    from mixprec._src.fp8.gather import orientations
+    from mixprec._src.fp8.recipes import get_recipe
+
+    casts = tuple(c for c, _ in orientations(get_recipe(recipe)))
+    payload = Payload("fc", casts, lambda: torch.zeros(()), lambda: None)
+    with pytest.raises(ConfigError, match=rf"Linear 'fc'.*{casts[1].short} along out_features"):
+        payload.get(0, casts[1])
