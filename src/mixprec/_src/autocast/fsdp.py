@@ -37,8 +37,9 @@ def gather_low_precision(
     Args:
         model: the root module ``fully_shard`` was applied to.
         policy: the :class:`~mixprec.Policy` the forwards run under.
-        recompute: the forward of a rowwise-ruled Linear is recomputed in backward (activation
-            checkpointing): its backward gather then carries both copies of the weight.
+        recompute: the forward of a Linear whose recipe casts its weight along each dimension
+            (rowwise, mxfp8) is recomputed in backward (activation checkpointing): its backward
+            gather then carries both copies of the weight.
 
     Returns:
         A :class:`~mixprec.distributed.LowPrecisionGather` (what went on the wire).

@@ -81,12 +81,18 @@ class Payload:
             raise ConfigError(
                 f"the low-precision all-gather of Linear {self.name!r} carried no copy of its "
                 f"weight for the {'forward' if index == 0 else 'input-gradient'} matmul: a forward "
-                "recomputed in backward (activation checkpointing) needs both copies of a rowwise "
-                "weight in the backward gather. Pass recompute=True to "
+                "recomputed in backward (activation checkpointing) needs both copies of a weight "
+                f"its recipe casts along each dimension ({_along(self.casts)}) in the backward "
+                "gather. Pass recompute=True to "
                 "mixprec.distributed.gather_low_precision (under torchtitan: "
                 "MixprecConverter.Config(recompute=True))."
             )
         return found
+
+
+def _along(casts: tuple[Cast, ...]) -> str:
+    dims = ("in_features", "out_features")
+    return ", ".join(f"{c.short} along {d}" for c, d in zip(casts, dims, strict=False))
 
 
 class Gathered(torch.Tensor):

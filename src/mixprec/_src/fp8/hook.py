@@ -21,10 +21,12 @@ Linear) that closes having served nothing is an error naming the module and what
 
 from __future__ import annotations
 
+import weakref
 from collections.abc import Callable, Iterable
 from typing import Any
 
 import torch
+import torch.nn.functional as F
 from torch import nn
 from torch.overrides import TorchFunctionMode
 
@@ -134,7 +136,7 @@ def serve_linear(
     Host sync: none.
     """
     if weight.dim() != 2:
-        raise ConfigError(_unservable(scope.name, f"a matmul on a {weight.dim()}-D weight"))
+        raise ConfigError(_unservable(scope.name, "a matmul", f"a {weight.dim()}-D weight"))
     check_shape(scope.name, tuple(weight.shape), scope.recipe)
     scope.served += 1
     if weight.numel() == 0:  # Linear(0, n) or Linear(n, 0): nothing to scale, zeros as nn.Linear
@@ -147,26 +149,36 @@ def serve_linear(
 class _Tensors:
     """A set of tensors compared with ``is``: by id in eager mode (one lookup per tensor), along
     the list while Dynamo traces (it does not trace ``id`` of a tensor); ``listed`` once anything
-    was added while tracing (a graph break then runs the rest eagerly)."""
+    was added while tracing (a graph break then runs the rest eagerly). A ``weak`` set holds what
+    eager mode adds by weak reference (the constants: a causal mask made in each block is freed
+    after its block, not kept until the outermost forward ends)."""
 
-    __slots__ = ("ids", "items", "listed")
+    __slots__ = ("added", "ids", "items", "listed", "weak")
 
-    def __init__(self) -> None:
+    def __init__(self, weak: bool = False) -> None:
         self.items: list[torch.Tensor] = []
-        self.ids: dict[int, torch.Tensor] = {}
-        self.listed = False
+        self.ids: dict[int, Any] = {}  # the tensor, or a weak reference to it
+        self.listed = self.added = False
+        self.weak = weak
 
     def add(self, t: torch.Tensor) -> None:
-        self.items.append(t)
+        self.added = True
         if torch.compiler.is_compiling():
+            self.items.append(t)
             self.listed = True
+        elif self.weak:
+            self.ids[id(t)] = weakref.ref(t)
         else:
+            self.items.append(t)
             self.ids[id(t)] = t
 
     def __contains__(self, value: torch.Tensor) -> bool:
-        if self.listed or torch.compiler.is_compiling():
+        if torch.compiler.is_compiling():
             return any(value is t for t in self.items)
-        return self.ids.get(id(value)) is value
+        found = self.ids.get(id(value))
+        if found is not None and (found() if self.weak else found) is value:
+            return True
+        return self.listed and any(value is t for t in self.items)
 
 
 def _tensors_of(args: tuple[Any, ...], kwargs: dict[str, Any]) -> list[torch.Tensor]:
@@ -215,7 +227,7 @@ class Fp8Mode(TorchFunctionMode):
         self.current = current
         self.on_serve = on_serve  # called after each served matmul (eager)
         self._followed_set = _Tensors()  # compared with ``is``: tied weights need no care
-        self._constants = _Tensors()
+        self._constants = _Tensors(weak=True)
         self.follow(followed)
 
     @property
@@ -275,7 +287,7 @@ class Fp8Mode(TorchFunctionMode):
         if not any(self._followed(t) for t in tensors):
             out = func(*args, **kwargs)
             # made from no tensor, or from constants alone
-            if not tensors or (constants.items and all(t in constants for t in tensors)):
+            if not tensors or (constants.added and all(t in constants for t in tensors)):
                 for t in _outputs(out):
                     constants.add(t)
             return out
@@ -284,6 +296,12 @@ class Fp8Mode(TorchFunctionMode):
         weight_only = all(self._followed(t) or t.dim() == 0 or t in constants for t in tensors)
         scope = self.current()
         weight_only = weight_only or (scope is not None and scope.computing)
+        if scope is not None and weight_only and not scope.computing:
+            # F.linear names its weight: a weight or constant as its input (a learned query,
+            # a fixed positional table) is an activation of the module that runs it.
+            weight_only = not (func is F.linear and self._followed(_linear_weight(args, kwargs)))
+            if weight_only and (func in OPS or func in REFUSED or func is RMATMUL):
+                _note(scope, label(func) + " computing a weight (on weights and constants alone)")
         if scope is not None and not weight_only:
             served = _serve(self, scope, func, args, kwargs)
             if served is not None:
@@ -294,6 +312,16 @@ class Fp8Mode(TorchFunctionMode):
         if weight_only:
             self.follow(_outputs(out))
         return out
+
+
+def _linear_weight(args: tuple[Any, ...], kwargs: dict[str, Any]) -> object:
+    return args[1] if len(args) > 1 else kwargs.get("weight")
+
+
+def _note(scope: Scope, spelled: str) -> None:
+    """Keep ``spelled`` among the calls that took one of the scope's weights (its error)."""
+    if len(scope.called) < 8 and spelled not in scope.called:
+        scope.called.append(spelled)
 
 
 def _same_view(a: torch.Tensor, b: torch.Tensor) -> bool:
@@ -328,8 +356,7 @@ def _serve(
     """The served result of a matmul on a weight operand and an activation; None: not a matmul
     on a weight (run as written). Refuses a matmul on a weight that the recipe cannot run."""
     spelled = label(func)
-    if len(scope.called) < 8 and spelled not in scope.called:
-        scope.called.append(spelled)
+    _note(scope, spelled)
     if func is not RMATMUL and func not in OPS:
         if func in REFUSED:
             _refuse(scope.name, spelled)
@@ -339,7 +366,13 @@ def _serve(
     if kind == "linear":
         x, w, bias = operands
         if on(w):
+            if w.dim() != 2:
+                _refuse(scope.name, spelled, f"a {w.dim()}-D weight")
             return serve_linear(scope, x, w, bias)
+        if on(x) and isinstance(w, torch.Tensor) and w.dim() in (1, 2):  # F.linear(W, x): W @ x.T
+            return _serve_product(
+                scope, x, w.t() if w.dim() == 2 else w, bias, spelled, True, False
+            )
         if on(x):
             _refuse(scope.name, spelled)
         return None
@@ -373,25 +406,25 @@ def _serve_product(
         out = serve_linear(scope, b.mT if b.dim() > 1 else b, a, None)
         out = out.mT if b.dim() > 1 else out
         return out if bias is None else out + bias.to(out.dtype)
-    _refuse(scope.name, f"{label} on a {(a if a_weight else b).dim()}-D weight")
+    _refuse(scope.name, label, f"a {(a if a_weight else b).dim()}-D weight")
     return None
 
 
-def _unservable(name: str, what: str) -> str:
+def _unservable(name: str, what: str, on: str = "one of its weights") -> str:
     if what == "F.multi_head_attention_forward":
         return attention_message(name)
     shown = repr(name) if name else "the model"
     return (
-        f"an fp8-family rule serves module {shown}, whose forward runs {what} on one of its "
-        f"weights: the recipe runs {SERVES}, not that. Give the module a rule that is not fp8 "
+        f"an fp8-family rule serves module {shown}, whose forward runs {what} on {on}: the "
+        f"recipe runs {SERVES}, not that. Give the module a rule that is not fp8 "
         f"(e.g. '{name or '<module>'}=bf16'), or write that matmul as one of those."
     )
 
 
 @disable_dynamo
-def _refuse(name: str, label: str) -> None:
+def _refuse(name: str, label: str, on: str = "one of its weights") -> None:
     # Dynamo runs this eagerly (a graph break), so the error reaches the user.
-    raise ConfigError(_unservable(name, label))
+    raise ConfigError(_unservable(name, label, on))
 
 
 def attention_message(name: str) -> str:
