@@ -307,7 +307,7 @@ class Fp8Stats:
         rows = [list(_HEADER)]
         for name, mod in self.read().items():
             cast = [op for op in OPERANDS if getattr(mod, op).elements]
-            names = _wrap_name(name or "<model>", _NAME)
+            names = wrap_name(name or "<model>", _NAME)
             for i, op in enumerate(cast):
                 s: Fp8CastStats = getattr(mod, op)
                 numbers = (s.amax, s.scale, s.spread, s.saturated, s.flushed)
@@ -365,8 +365,16 @@ _SUMMARY_LEGEND = (
 )
 
 
-def _wrap_name(name: str, width: int) -> list[str]:
-    """``name`` in lines of at most ``width``, broken after dots (a longer part is cut)."""
+def wrap_name(name: str, width: int) -> list[str]:
+    """``name`` in lines of at most ``width``, broken after dots (a longer part is cut): how
+    the stats summary and the advice table wrap a module name.
+
+    Example:
+        >>> wrap_name("blocks.11.attn.proj", 10)
+        ['blocks.11.', 'attn.proj']
+
+    Host sync: none.
+    """
     parts = [p + "." for p in name.split(".")]
     parts[-1] = parts[-1][:-1]
     chunks = [part[i : i + width] for part in parts for i in range(0, len(part), width)]

@@ -10,6 +10,7 @@ from typing import TYPE_CHECKING
 from mixprec._src.advisor.report.matmuls import summary as matmul_summary
 from mixprec._src.autocast.rules import Rule, format_dtype
 from mixprec._src.fp8.recipes import get_recipe
+from mixprec._src.fp8.stats import wrap_name
 
 if TYPE_CHECKING:
     from mixprec._src.advisor.report.advice import Advice, ModuleAdvice
@@ -172,14 +173,7 @@ _MIN_NAME = 16
 def _wrapped(row: list[str], width: int) -> list[list[str]]:
     """The row, its first cell broken after dots into lines of at most ``width`` (a part
     longer than that is cut); the other cells on the first line."""
-    parts = [p + "." for p in row[0].split(".")]
-    parts[-1] = parts[-1][:-1]
-    chunks = [part[i : i + width] for part in parts for i in range(0, len(part), width)]
-    lines = [""]
-    for chunk in chunks:
-        if lines[-1] and len(lines[-1]) + len(chunk) > width:
-            lines.append("")
-        lines[-1] += chunk
+    lines = wrap_name(row[0], width)
     blank = [""] * (len(row) - 1)
     return [[lines[0], *row[1:]], *([ln, *blank] for ln in lines[1:])]
 
