@@ -17,11 +17,10 @@ activation checkpointing and FSDP2 set-up are its own.
 
 from __future__ import annotations
 
-import importlib.machinery
 import importlib.util
 import os
 import sys
-import types
+from pathlib import Path
 from typing import Any
 
 import torch
@@ -45,105 +44,32 @@ def llama3_debugmodel_mixprec() -> Any:
 
 
 # ---------------------------------------------------------------------- the CPU stand-ins
+# The user's CPU example (examples/torchtitan_llama3.py) holds them, each with its reason; the
+# suite runs the same ones, plus what gloo needs for two ranks.
+EXAMPLE = Path(__file__).resolve().parent.parent / "examples" / "torchtitan_llama3.py"
 
 
-KERNELS = "torchtitan.distributed.minimal_async_ep.kernels"
+def _example() -> Any:
+    spec = importlib.util.spec_from_file_location("mixprec_example_torchtitan", EXAMPLE)
+    assert spec is not None and spec.loader is not None, EXAMPLE
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
 
 
-def _kernel(name: str) -> Any:
-    if name.startswith("__"):  # __file__, __path__...: absent, as on a plain module
-        raise AttributeError(name)
-
-    def launch(*args: Any, **kwargs: Any) -> Any:
-        raise RuntimeError(f"{KERNELS}.{name} called: triton is not installed")
-
-    return launch
-
-
-def stand_in_triton() -> None:
-    """torchtitan imports triton at module level for its MoE all-to-all kernels
-    (``import triton`` in ``torchtitan/distributed/minimal_async_ep/kernels.py``, reached from
-    ``torchtitan.models.common.token_dispatcher`` for dense models too); the CPU torch wheel
-    does not bring triton. Where it is missing, that one module is replaced by one whose
-    kernels raise if called (a dense model calls none). triton itself stays absent: a stand-in
-    ``triton`` module would make torch's inductor believe it is installed."""
-    if importlib.util.find_spec("triton") is not None:
-        return
-    module = types.ModuleType(KERNELS)
-    module.__spec__ = importlib.machinery.ModuleSpec(KERNELS, None)
-    module.__getattr__ = _kernel  # type: ignore[method-assign]
-    sys.modules[KERNELS] = module
-
-
-class _CpuModule:
-    """``torch.cpu`` plus what torchtitan's trainer asks of an accelerator module."""
-
-    def __getattr__(self, name: str) -> Any:
-        return getattr(torch.cpu, name)
-
-    def set_device(self, device: Any) -> None: ...
-    def current_device(self) -> int:
-        return 0
-
-    def device_count(self) -> int:
-        return 1
-
-    def get_device_name(self, device: Any = None) -> str:
-        return "cpu"
-
-    def get_device_properties(self, device: Any = None) -> Any:
-        return types.SimpleNamespace(total_memory=1 << 30)
-
-    def memory_stats(self, device: Any = None) -> dict[str, int]:
-        return {}
-
-    def reset_peak_memory_stats(self, device: Any = None) -> None: ...
-    def empty_cache(self) -> None: ...
-    def synchronize(self, device: Any = None) -> None: ...
-
-
-def _flex_as_sdpa(
-    self: Any, q: Any, k: Any, v: Any, *, attention_masks: Any, scale: Any = None, **kw: Any
-) -> torch.Tensor:
-    """FlexAttention's forward as SDPA with the mask its BlockMask's ``mask_mod`` gives every
-    (query, key) pair: the same attention (FlexAttention has no backward on the CPU)."""
-    from torch.nn.attention.flex_attention import create_mask
-
-    assert kw.get("score_mod") is None and kw.get("out_transform") is None
-    mask = create_mask(attention_masks.mask_mod, q.shape[0], None, q.shape[1], k.shape[1], "cpu")
-    q, k, v = (t.transpose(1, 2) for t in (q, k, v))
-    out = torch.nn.functional.scaled_dot_product_attention(
-        q, k, v, attn_mask=mask, scale=scale, enable_gqa=kw.get("enable_gqa", False)
-    )
-    return out.transpose(1, 2)
+example = _example()
+stand_in_triton = example.stand_in_triton
 
 
 def run_on_the_cpu() -> None:
-    """What torchtitan 0.3.0 on torch 2.13.0 needs on a CPU with gloo (each fails without):
-
-    * triton (import): :func:`stand_in_triton`.
-    * ``torchtitan.tools.utils.device_type`` falls back to ``"cuda"`` without an accelerator,
-      and the trainer calls ``torch.cuda.set_device`` ("module 'torch._C' has no attribute
-      '_cuda_setDevice'"), then the memory monitor's ``get_device_name``: the CPU instead.
-    * FlexAttention, the llama3 models' only CPU-capable attention backend, has no backward
-      on the CPU: :func:`_flex_as_sdpa`.
-    * torchtitan sets FSDP2's gradient divide factor to 1.0, which FSDP2 reduces with
-      ``ReduceOp.PREMUL_SUM`` ("Cannot use ReduceOp.PREMUL_SUM with Gloo"): a SUM and a
-      division by 1.0 instead (``set_force_sum_reduction_for_comms``), the same values.
-    * ``torch.distributed.set_timeout`` (torch >= 2.14) after the first step: torch 2.13's
-      ``_set_pg_timeout``.
-    """
-    import torch.distributed as dist
+    """The example's stand-ins (``run_on_the_cpu`` there: triton, the CPU as the device module,
+    FlexAttention's backward as SDPA, ``set_timeout``), and for gloo: torchtitan sets FSDP2's
+    gradient divide factor to 1.0, which FSDP2 reduces with ``ReduceOp.PREMUL_SUM`` ("Cannot use
+    ReduceOp.PREMUL_SUM with Gloo"): a SUM and a division by 1.0 instead
+    (``set_force_sum_reduction_for_comms``), the same values."""
     from torch.distributed.fsdp import FSDPModule
 
-    stand_in_triton()
-    import torchtitan.tools.utils as utils
-
-    # before any other torchtitan module copies them (``from ... import device_type``)
-    utils.device_type, utils.device_module = "cpu", _CpuModule()
-    from torchtitan.models.common import attention
-
-    attention.FlexAttention.forward = _flex_as_sdpa
+    example.run_on_the_cpu()
     set_factor = FSDPModule.set_gradient_divide_factor
 
     def set_factor_for_gloo(module: FSDPModule, factor: float) -> None:
@@ -151,8 +77,6 @@ def run_on_the_cpu() -> None:
         module.set_force_sum_reduction_for_comms(True)
 
     FSDPModule.set_gradient_divide_factor = set_factor_for_gloo  # type: ignore[assignment,method-assign]
-    if not hasattr(dist, "set_timeout"):
-        dist.set_timeout = lambda t, group=None: dist.distributed_c10d._set_pg_timeout(t, group)  # type: ignore[attr-defined]
 
 
 # ---------------------------------------------------------------------- what each run did
