@@ -11,7 +11,6 @@ without the low-precision gather, on 2 gloo ranks: bit for bit the same.
 from __future__ import annotations
 
 import importlib.util
-import json
 import os
 import signal
 import subprocess
@@ -33,33 +32,10 @@ TIMEOUT_S = 240
 
 def write_assets(root: Path) -> None:
     """What the debug config reads from ``./tests/assets`` of torchtitan's repository (which its
-    wheel does not ship): a byte-level BPE tokenizer under 2048 tokens (the debug model's
-    vocabulary) and a ``c4_test`` json data set, both small and made here."""
-    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+    wheel does not ship), made as the CPU example makes them (examples/torchtitan_llama3.py)."""
+    from tests.torchtitan_trainer import example
 
-    gen = torch.Generator().manual_seed(0)
-    words = ("alpha", "beta", "gamma", "delta", "model", "train", "shard", "gather", "layer")
-    texts = [
-        " ".join(words[int(i)] for i in torch.randint(0, len(words), (300,), generator=gen))
-        for _ in range(32)
-    ]
-    tokenizer = Tokenizer(models.BPE())
-    tokenizer.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
-    tokenizer.decoder = decoders.ByteLevel()
-    special = ["<|begin_of_text|>", "<|end_of_text|>"]
-    trainer = trainers.BpeTrainer(
-        vocab_size=300,
-        special_tokens=special,
-        initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
-    )
-    tokenizer.train_from_iterator(texts, trainer)
-    (root / "tests/assets/tokenizer").mkdir(parents=True)
-    (root / "tests/assets/c4_test").mkdir(parents=True)
-    tokenizer.save(str(root / "tests/assets/tokenizer/tokenizer.json"))
-    config = {"bos_token": special[0], "eos_token": special[1]}
-    (root / "tests/assets/tokenizer/tokenizer_config.json").write_text(json.dumps(config))
-    lines = (json.dumps({"text": t}) for t in texts)
-    (root / "tests/assets/c4_test/data.json").write_text("\n".join(lines) + "\n")
+    example.write_assets(root)
 
 
 def run_trainer(root: Path, gather: bool) -> str:
