@@ -162,7 +162,7 @@ class ForkPool:
                 proc.stdin.write(path + "\n")
                 proc.stdin.flush()
                 line = proc.stdout.readline()
-            except OSError:
+            except (OSError, ValueError):  # the runner ended, or close() closed its pipes
                 pass
             result = json.loads(line) if line else {"rc": "runner died", "log": stderr}
             with self._done:
