@@ -114,7 +114,7 @@ NEGATIVE = [
     ("K=200", "tensorwise", "h100", _k200, "meta_kernel"),
     ("row-major B", "rowwise", "h100", _row_major_b, "meta_kernel"),
     ("60-token wgrad", "tensorwise", "h100", _wgrad_60, "meta_kernel"),
-    ("unpadded MX scales", "mxfp8", "b200", _unpadded_mx, "meta_kernel"),
+    ("unpadded MX scales", "mxfp8", "b200", _unpadded_mx, "mx_scale_count"),
     ("e5m2 x e5m2", "tensorwise", "h100", _e5m2_pair, "e5m2_x_e5m2"),
     ("bf16 bias, fp32 out", "tensorwise", "h100", _bias_fp32, "bias"),
     ("fp4 fast accumulation", "nvfp4", "b200", _fast_fp4, "fp4_fast_accum"),

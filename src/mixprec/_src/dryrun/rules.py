@@ -95,6 +95,24 @@ def _fp4_fast(call: KernelCall, cap: Capability) -> str | None:
     return None
 
 
+def _mx_count(call: KernelCall, cap: Capability) -> str | None:
+    """Each swizzled block scale holds the operand's (rows, K / block) scales padded to 128 x 4
+    tiles (torch 2.13's meta kernel checks the count, 2.14.1's does not)."""
+    k = call.a.shape[1] * (2 if call.a.dtype == _FP4 else 1)
+    for side, rows, kinds, swizzles, scale in (
+        ("A", call.a.shape[0], call.recipe_a, call.swizzle_a, call.scale_a),
+        ("B", call.b.shape[1], call.recipe_b, call.swizzle_b, call.scale_b),
+    ):
+        block = {"BlockWise1x32": 32, "BlockWise1x16": 16}.get(kinds[0] if kinds else "")
+        if block is None or not swizzles or swizzles[0] != "SWIZZLE_32_4_4":
+            continue
+        first = scale[0] if isinstance(scale, (list, tuple)) else scale
+        want = (-(-rows // 128) * 128) * (-(-(k // block) // 4) * 4)
+        if first.numel() != want:
+            return f"{side}'s {kinds[0]} scale holds {first.numel()} values, not {want}"
+    return None
+
+
 #: The CUDA rules torch's meta kernels do not check: (name, check, fix).
 RULES: tuple[tuple[str, Callable[[KernelCall, Capability], str | None], str], ...] = (
     ("arch_fp8", _arch_fp8, "keep the module in bf16 on this GPU"),
@@ -103,6 +121,7 @@ RULES: tuple[tuple[str, Callable[[KernelCall, Capability], str | None], str], ..
     ("e5m2_x_e5m2", _e5m2_pair, "cast one operand to e4m3"),
     ("bias", _bias, "add the bias after the matmul, in the output's dtype"),
     ("fp4_fast_accum", _fp4_fast, "call the fp4 kernel without use_fast_accum"),
+    ("mx_scale_count", _mx_count, "pad the scales to 128x4 tiles, then swizzle (to_blocked)"),
 )
 
 
